@@ -1,0 +1,94 @@
+"""The ``kvpop`` attention implementation registered with transformers.
+
+transformers calls ``cache.update`` and then the configured attention function with the same
+key tensor. ``KVpopLayer.update`` tags that tensor; the function below sees the tag and lets the
+layer insert the chunk under the eviction rule and attend with its per-head visibility mask.
+Untagged calls (any other cache, or no cache) go to the implementation the model had before
+(``sdpa`` by default), with the mask that implementation would have built, so attaching
+kvpop never changes dense results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+NAME = "kvpop"
+_BASE_ATTR = "_kvpop_base_attn"
+
+
+@dataclass
+class KVpopMask:
+    """What the model passes to attention under ``kvpop``: the 2D padding mask, and the base mask lazily."""
+
+    padding: torch.Tensor | None  # [batch, tokens seen + new] bool, True = real token
+    _base_kwargs: dict = field(repr=False, default_factory=dict)
+    _base_fn: object = field(repr=False, default=None)
+
+    def base_mask(self):
+        if self._base_fn is None:
+            return None
+        return self._base_fn(**self._base_kwargs)
+
+    def new_tokens(self, q_len: int) -> torch.Tensor | None:
+        if self.padding is None:
+            return None
+        return self.padding[:, -q_len:].bool()
+
+
+def _base_name(config) -> str:
+    return getattr(config, _BASE_ATTR, None) or "sdpa"
+
+
+def kvpop_mask(**kwargs) -> KVpopMask:
+    config = kwargs.get("config")
+    base = _base_name(config)
+    fn = ALL_MASK_ATTENTION_FUNCTIONS[base] if base in ALL_MASK_ATTENTION_FUNCTIONS else None
+    return KVpopMask(padding=kwargs.get("attention_mask"), _base_kwargs=kwargs, _base_fn=fn)
+
+
+def kvpop_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    layer = getattr(key, "_kvpop_layer", None)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if layer is not None:
+        valid = attention_mask.new_tokens(query.shape[2]) if isinstance(attention_mask, KVpopMask) else None
+        if attention_mask is not None and not isinstance(attention_mask, KVpopMask):
+            raise ValueError("kvpop attention got a prepared 4D attention mask; pass the 2D padding mask instead")
+        return layer.attend(query, key, value, valid, scaling), None
+    base = _base_name(module.config)
+    mask = attention_mask.base_mask() if isinstance(attention_mask, KVpopMask) else attention_mask
+    fn = ALL_ATTENTION_FUNCTIONS[base]
+    return fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+AttentionInterface.register(NAME, kvpop_attention)
+AttentionMaskInterface.register(NAME, kvpop_mask)
+
+
+def attach(config) -> None:
+    """Route the model's attention through kvpop (idempotent; remembers the previous implementation)."""
+    configs = [config]
+    text = config.get_text_config(decoder=True)
+    if text is not config:
+        configs.append(text)
+    for cfg in configs:
+        current = cfg._attn_implementation
+        if current != NAME:
+            if current not in (None, "sdpa", "eager"):
+                raise ValueError(
+                    f"kvpop supports models loaded with attn_implementation 'sdpa' or 'eager', got {current!r}"
+                )
+            object.__setattr__(cfg, _BASE_ATTR, current or "sdpa")
+            cfg._attn_implementation = NAME
+
+
+def detach(config) -> None:
+    """Restore the attention implementation the model had before :func:`attach`."""
+    for cfg in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
+        if cfg._attn_implementation == NAME:
+            cfg._attn_implementation = _base_name(cfg)

@@ -1,0 +1,351 @@
+"""A transformers ``Cache`` whose every layer holds exactly ``B`` slots per KV head.
+
+Layout of one layer (method.md section 1): keys/values ``[batch, kv_heads, B, head_dim]`` with
+slots ``[0, s)`` the sinks, ``[s, s + w)`` the protected window as a ring buffer (token ``t``
+lives in slot ``s + (t - s) % w``), and ``[s + w, B)`` the long-range slots. Each head may
+hold different tokens in those slots; ``slot_index`` records which (``-1`` = empty).
+
+Tokens are inserted when the model's attention runs (the ``kvpop`` attention function in
+``kvpop.attention`` calls :meth:`KVpopLayer.attend`): that is the first moment the queries of
+the chunk are known, which attention-based policies need, and it lets a chunk of many tokens
+be decided at once with a per-query visibility mask equal to the token-by-token rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .attention import attach
+from .config import EvictionConfig
+from .policies import ExitBatch, Policy, get_policy
+from .rule import NEVER, decide_chunk
+
+_PENDING = "_kvpop_layer"
+
+
+class KVpopLayer(CacheLayerMixin):
+    """One layer's bounded cache. State is allocated lazily at the first update."""
+
+    is_sliding = False
+
+    def __init__(self, cfg: EvictionConfig, policy: Policy, layer_idx: int):
+        super().__init__()
+        self.cfg, self.policy, self.layer_idx = cfg, policy, layer_idx
+        self.seen = 0  # tokens fed to this layer, padding included (drives position ids)
+
+    # --- transformers' CacheLayerMixin -------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        cfg, dev = self.cfg, key_states.device
+        n = cfg.budget
+        # one extra "trash" slot at the end absorbs writes for padding tokens (no branching)
+        self._k = torch.zeros(b, h, n + 1, d, dtype=key_states.dtype, device=dev)
+        self._v = torch.zeros(b, h, n + 1, value_states.shape[-1], dtype=value_states.dtype, device=dev)
+        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+        self.slot_index = torch.full((b, h, n), -1, dtype=torch.long, device=dev)
+        self.lr_prio = torch.full((b, h, cfg.k), -math.inf, dtype=torch.float32, device=dev)
+        self.n_real = torch.zeros(b, dtype=torch.long, device=dev)
+        self.observed = torch.zeros(b, h, cfg.window, dtype=torch.float32, device=dev)  # per ring slot
+        self.device = dev
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Defer insertion to the attention call, which knows the queries and the padding mask."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        setattr(key_states, _PENDING, self)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The model builds its padding mask against all tokens seen; kvpop reads the new tokens' part.
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seen = 0
+        if self.is_initialized:
+            self._k.zero_()
+            self._v.zero_()
+            self.slot_index.fill_(-1)
+            self.lr_prio.fill_(-math.inf)
+            self.n_real.zero_()
+            self.observed.zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if not self.is_initialized:
+            return
+        for name in ("_k", "_v", "slot_index", "lr_prio", "n_real", "observed"):
+            setattr(self, name, getattr(self, name).index_select(0, beam_idx.to(self.device)))
+        n = self.cfg.budget
+        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            b = self._k.shape[0]
+            self.reorder_cache(torch.arange(b, device=self.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.reorder_cache(indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a KVpop cache cannot be cropped: evicted tokens are gone")
+
+    # --- kvpop --------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes held by keys and values (the ``B`` slots, not the trash slot)."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_new: torch.Tensor,
+        value_new: torch.Tensor,
+        valid: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Insert the chunk under the rule and attend; returns ``[b, q_len, q_heads, d]``."""
+        b, _, c, _ = query.shape
+        if valid is None:
+            valid = torch.ones(b, c, dtype=torch.bool, device=query.device)
+        _check_padding(valid, self.n_real)
+        outs = []
+        step = self.cfg.chunk
+        for start in range(0, c, step):
+            sl = slice(start, start + step)
+            outs.append(self._attend_chunk(query[:, :, sl], key_new[:, :, sl], value_new[:, :, sl], valid[:, sl], scaling))
+        self.seen += c
+        return torch.cat(outs, dim=2).transpose(1, 2)
+
+    def _attend_chunk(self, q, k_new, v_new, valid, scaling):
+        cfg = self.cfg
+        s, w, kk, n = cfg.sinks, cfg.window, cfg.k, cfg.budget
+        b, hq, c, d = q.shape
+        h = k_new.shape[1]
+        g = hq // h
+        dev = q.device
+        arange_h = torch.arange(h, device=dev)
+
+        # logical index of each new token in its row; -1 for padding
+        new_idx = torch.where(valid, self.n_real.unsqueeze(1) + valid.long().cumsum(1) - 1, -1)
+        new_slot = torch.where(new_idx < s, new_idx, s + (new_idx - s) % w)
+        new_slot = torch.where(valid, new_slot, n)  # padding -> trash slot
+
+        # tokens leaving the window: one per new token with index >= s + w, in order
+        ex_idx = torch.where(valid & (new_idx >= s + w), new_idx - w, -1)  # [b, c]
+        ex_ring = torch.where(ex_idx >= 0, (ex_idx - s) % w, 0)  # ring offset of the exiting token
+        ex_slot = (s + ex_ring).unsqueeze(1).expand(b, h, c)
+
+        key_idx_old = self.slot_index  # [b, h, n]
+        all_k = torch.cat([self.keys, k_new], dim=2)  # [b, h, n + c, d]
+        all_v = torch.cat([self.values, v_new], dim=2)
+        key_idx = torch.cat([key_idx_old, new_idx.unsqueeze(1).expand(b, h, c)], dim=2)  # [b, h, n + c]
+        qv = q.reshape(b, h, g * c, d)  # query heads of one KV group side by side: [b, h, g*c, d]
+        t_q = new_idx.view(b, 1, c, 1)
+
+        observed = None
+        logits = None
+        if self.policy.needs_attention:
+            logits = torch.einsum("bhqd,bhkd->bhqk", qv.float(), all_k.float()) * scaling
+            logits = logits.view(b, h, g, c, n + c)
+            kidx = key_idx.view(b, h, 1, 1, n + c)
+            tq = t_q.view(b, 1, 1, c, 1)
+            local = (kidx >= 0) & (kidx <= tq) & ((kidx < s) | (kidx > tq - w))
+            p_local = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1).nan_to_num(0.0)
+            obs = self.policy.obs_window or w
+            counted = (tq - kidx) >= (w - obs)
+            contrib = (p_local * counted).mean(dim=2).sum(dim=2)  # [b, h, n + c] summed over queries
+            ring = slice(s, s + w)
+            # accumulated statistic of every ring slot before new tokens overwrite them
+            acc_old = self.observed + contrib[:, :, ring]
+            observed = acc_old.gather(2, ex_ring.unsqueeze(1).expand(b, h, c))
+            new_contrib = contrib[:, :, n:]
+
+        # scores of the exiting tokens, frozen now
+        ex_k = self.keys.gather(2, ex_slot.unsqueeze(-1).expand(b, h, c, d))
+        ex_v = self.values.gather(2, ex_slot.unsqueeze(-1).expand(b, h, c, self.values.shape[-1]))
+        batch = ExitBatch(
+            layer_idx=self.layer_idx,
+            keys=ex_k,
+            values=ex_v,
+            index=ex_idx,
+            new_keys=k_new,
+            new_values=v_new,
+            new_index=new_idx,
+            attention=observed,
+        )
+        scores = self.policy.score(batch).float()
+        if scores.shape != (b, h, c):
+            raise RuntimeError(f"policy {self.policy.name} returned scores of shape {tuple(scores.shape)}, expected {(b, h, c)}")
+        if torch.isnan(scores).any():
+            raise RuntimeError(f"policy {self.policy.name} returned NaN scores at layer {self.layer_idx}")
+        ex_prio = scores + cfg.lam * ex_idx.unsqueeze(1).float()
+        ex_idx_h = ex_idx.unsqueeze(1).expand(b, h, c)
+
+        lr_idx = key_idx_old[:, :, s + w :]
+        lr_leave, ex_leave = decide_chunk(self.lr_prio, lr_idx, ex_prio, ex_idx_h, w)
+
+        # leave step of every key: held long-range slots, exiting ring tokens, NEVER otherwise
+        leave = torch.full((b, h, n + c), NEVER, dtype=torch.long, device=dev)
+        leave[:, :, s + w : n] = torch.where(lr_leave >= 0, lr_leave, NEVER)
+        ring_leave = torch.full((b, h, w + 1), NEVER, dtype=torch.long, device=dev)
+        ring_pos = torch.where(ex_idx_h >= 0, ex_ring.unsqueeze(1).expand(b, h, c), w)
+        ring_leave.scatter_(2, ring_pos, torch.where(ex_idx_h >= 0, ex_leave, NEVER))
+        leave[:, :, s : s + w] = ring_leave[:, :, :w]
+
+        kidx = key_idx.unsqueeze(2)  # [b, h, 1, n + c]
+        tq = new_idx.view(b, 1, c, 1)
+        visible = (kidx >= 0) & (kidx <= tq) & (tq < leave.unsqueeze(2))
+        # padding queries attend to themselves only (their output is never used)
+        pad_q = ~valid.view(b, 1, c, 1)
+        self_key = torch.arange(n, n + c, device=dev).view(1, 1, c, 1) == torch.arange(n + c, device=dev).view(1, 1, 1, -1)
+        visible = torch.where(pad_q, self_key, visible)  # [b, h, c, n + c]
+
+        if logits is not None:
+            probs = torch.softmax(logits.masked_fill(~visible.unsqueeze(2), -math.inf), dim=-1)
+            out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(all_v.dtype), all_v)
+            out = out.reshape(b, h * g, c, -1)
+        else:
+            mask = visible.unsqueeze(2).expand(b, h, g, c, n + c).reshape(b, h, g * c, n + c)
+            out = torch.nn.functional.scaled_dot_product_attention(qv, all_k, all_v, attn_mask=mask, scale=scaling)
+            out = out.view(b, h * g, c, -1)
+
+        # --- commit: long-range set, then sinks/ring -------------------------------------
+        if kk > 0:
+            keep = torch.cat([lr_leave == NEVER, ex_leave == NEVER], dim=2)  # [b, h, kk + c]
+            src = torch.cat(
+                [torch.arange(s + w, n, device=dev).expand(b, h, kk), ex_slot], dim=2
+            )
+            cand_prio = torch.cat([self.lr_prio, ex_prio], dim=2)
+            cand_idx = torch.cat([lr_idx, ex_idx_h], dim=2)
+            order = torch.sort((~keep).to(torch.int8), dim=2, stable=True).indices[:, :, :kk]
+            kept = keep.gather(2, order)
+            src_slot = src.gather(2, order)
+            new_lr_k = self.keys.gather(2, src_slot.unsqueeze(-1).expand(b, h, kk, d))
+            new_lr_v = self.values.gather(2, src_slot.unsqueeze(-1).expand(b, h, kk, self.values.shape[-1]))
+            new_lr_idx = torch.where(kept, cand_idx.gather(2, order), -1)
+            new_lr_prio = torch.where(kept, cand_prio.gather(2, order), -math.inf)
+        # sinks and ring: new tokens overwrite their slots (padding goes to the trash slot)
+        slot4 = new_slot.view(b, 1, c, 1).expand(b, h, c, d)
+        self._k.scatter_(2, slot4, k_new)
+        self._v.scatter_(2, new_slot.view(b, 1, c, 1).expand(b, h, c, v_new.shape[-1]), v_new)
+        idx_ext = torch.cat([self.slot_index, self.slot_index.new_full((b, h, 1), -1)], dim=2)
+        idx_ext.scatter_(2, new_slot.view(b, 1, c).expand(b, h, c), new_idx.unsqueeze(1).expand(b, h, c))
+        self.slot_index = idx_ext[:, :, :n].contiguous()
+        if kk > 0:
+            self._k[:, :, s + w : n] = new_lr_k
+            self._v[:, :, s + w : n] = new_lr_v
+            self.slot_index[:, :, s + w :] = new_lr_idx
+            self.lr_prio = new_lr_prio.contiguous()
+        if observed is not None:
+            ring_obs = torch.cat([acc_old, acc_old.new_zeros(b, h, 1)], dim=2)
+            ring_new = torch.where(valid & (new_idx >= s), (new_idx - s) % w, w).unsqueeze(1).expand(b, h, c)
+            ring_obs.scatter_(2, ring_new, new_contrib)
+            self.observed = ring_obs[:, :, :w].contiguous()
+        self.n_real = self.n_real + valid.long().sum(1)
+        return out
+
+    def held_indices(self) -> torch.Tensor:
+        """Logical indices held per (row, head, slot); -1 = empty."""
+        return self.slot_index.clone()
+
+
+def _check_padding(valid: torch.Tensor, n_real: torch.Tensor) -> None:
+    """Only left padding: a row's padding must come before any of its real tokens."""
+    started = (n_real > 0).unsqueeze(1) | (valid.long().cumsum(1) > 0)
+    if (started & ~valid).any():
+        raise ValueError(
+            "KVpopCache needs left padding: found a padding token after a real token in a row. "
+            "Set tokenizer.padding_side = 'left'."
+        )
+
+
+class KVpopCache(Cache):
+    """Bounded KV cache: ``B = sinks + window + k`` slots per KV head in every layer.
+
+    Example::
+
+        cache = kvpop.KVpopCache(model.config, budget=512, window=64, policy="knorm")
+        model.generate(**inputs, past_key_values=cache, max_new_tokens=2000)
+
+    Creating the cache switches ``model.config``'s attention implementation to ``"kvpop"``,
+    which behaves exactly like the previous one for any other cache.
+    """
+
+    def __init__(
+        self,
+        config,
+        budget: int | None = None,
+        *,
+        k: int | None = None,
+        compression: float | None = None,
+        reference_length: int | None = None,
+        window: int | None = None,
+        sinks: int = 4,
+        policy: "str | Policy" = "knorm",
+        lam: float = 0.0,
+        prefill_chunk: int | None = None,
+        eviction: EvictionConfig | None = None,
+        **policy_kwargs,
+    ):
+        pol = get_policy(policy, **policy_kwargs)
+        if eviction is None:
+            eviction = EvictionConfig.from_budget(
+                budget,
+                k=k,
+                compression=compression,
+                reference_length=reference_length,
+                window=window,
+                sinks=sinks,
+                lam=lam,
+                prefill_chunk=prefill_chunk,
+            )
+        elif any(v is not None for v in (budget, k, compression, reference_length, window)):
+            raise ValueError("give either eviction=EvictionConfig(...) or budget/k/compression/window, not both")
+        if not pol.uses_long_range and eviction.k > 0:
+            # equal budget, all of it recency: StreamingLLM with a longer window
+            eviction = EvictionConfig(
+                sinks=eviction.sinks,
+                window=eviction.window + eviction.k,
+                k=0,
+                lam=eviction.lam,
+                prefill_chunk=eviction.prefill_chunk,
+            )
+        text_config = config.get_text_config(decoder=True)
+        num_layers = text_config.num_hidden_layers
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        pol.setup(num_layers, kv_heads, head_dim, eviction.window)
+        self.eviction, self.policy = eviction, pol
+        super().__init__(layers=[KVpopLayer(eviction, pol, i) for i in range(num_layers)])
+        attach(config)
+
+    @property
+    def budget(self) -> int:
+        return self.eviction.budget
+
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values held now, all layers."""
+        return sum(layer.kv_bytes() for layer in self.layers)
+
+    def reset(self) -> None:
+        super().reset()
+        self.policy.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.policy.reorder(beam_idx)
+
+    def __repr__(self) -> str:
+        e = self.eviction
+        return f"KVpopCache(sinks={e.sinks}, window={e.window}, k={e.k}, budget={e.budget}, policy={self.policy!r})"

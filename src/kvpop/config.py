@@ -1,0 +1,110 @@
+"""Eviction budget configuration: sinks + window + long-range slots per KV head.
+
+A user states the budget one of three ways (``budget=B``, ``k=``, or ``compression=r`` with a
+reference length ``L``); everything downstream only sees the resolved ``sinks``, ``window``
+and ``k``. Validation happens here, once, before any model work starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """Resolved per-head budget ``B = sinks + window + k`` (method.md section 1)."""
+
+    sinks: int = 4
+    window: int = 256
+    k: int = 256
+    lam: float = 0.0  # recency tilt of the static priority r(t) + lam * t (method.md section 2)
+    prefill_chunk: int | None = None  # prefill sub-chunk length; None = window (the largest exact chunk)
+
+    def __post_init__(self) -> None:
+        for name in ("sinks", "window", "k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"EvictionConfig.{name} must be an int, got {type(value).__name__}")
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1 (the newest token is always in the window), got {self.window}")
+        if self.k < 0:
+            raise ValueError(f"k (long-range slots) must be >= 0, got {self.k}")
+        if not math.isfinite(self.lam) or self.lam < 0:
+            raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
+        if self.prefill_chunk is not None and not (1 <= self.prefill_chunk <= self.window):
+            raise ValueError(
+                f"prefill_chunk must be in [1, window={self.window}] for the chunked prefill to be exact, "
+                f"got {self.prefill_chunk}"
+            )
+
+    @property
+    def budget(self) -> int:
+        """Slots per KV head."""
+        return self.sinks + self.window + self.k
+
+    @property
+    def chunk(self) -> int:
+        return self.prefill_chunk or self.window
+
+    def compression(self, reference_length: int) -> float:
+        return 1.0 - self.budget / reference_length
+
+    @classmethod
+    def from_budget(
+        cls,
+        budget: int | None = None,
+        *,
+        k: int | None = None,
+        compression: float | None = None,
+        reference_length: int | None = None,
+        window: int | None = None,
+        sinks: int = 4,
+        lam: float = 0.0,
+        prefill_chunk: int | None = None,
+    ) -> "EvictionConfig":
+        """Resolve exactly one of ``budget``, ``k`` or ``compression`` (+ ``reference_length``).
+
+        ``window`` defaults to ``B // 8`` (the paper's proportion: 256 of 2048), at least 1.
+        """
+        given = [name for name, v in (("budget", budget), ("k", k), ("compression", compression)) if v is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "give exactly one of budget=B, k=K, or compression=r (with reference_length=L); "
+                f"got {given or 'none'}"
+            )
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be an int >= 1, got {window!r}")
+        if compression is not None:
+            if not isinstance(compression, (int, float)) or not (0.0 < compression < 1.0):
+                raise ValueError(f"compression must be in (0, 1), got {compression!r}")
+            if reference_length is None or isinstance(reference_length, bool) or reference_length < 1:
+                raise ValueError(
+                    f"compression={compression} needs reference_length=L (a positive int), got {reference_length!r}"
+                )
+            budget = int(round((1.0 - compression) * reference_length))
+            if budget < 1:
+                raise ValueError(
+                    f"compression={compression} of reference_length={reference_length} leaves no slots"
+                )
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise ValueError(f"budget must be a positive int, got {budget!r}")
+            if window is None:
+                window = max(1, budget // 8)
+            if budget < sinks + window:
+                raise ValueError(
+                    f"budget={budget} is smaller than sinks + window = {sinks} + {window} = {sinks + window}; "
+                    "raise the budget or shrink the window"
+                )
+            k = budget - sinks - window
+        else:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise ValueError(f"k must be an int >= 0, got {k!r}")
+            if window is None:
+                raise ValueError("with k=K give window=W too (the budget is sinks + window + k)")
+        return cls(sinks=sinks, window=window, k=k, lam=lam, prefill_chunk=prefill_chunk)

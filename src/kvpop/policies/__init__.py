@@ -1,0 +1,51 @@
+"""Eviction policies by name. One file per policy; ``base.Policy`` is the protocol."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .base import ExitBatch, Policy
+from .h2o import H2OPolicy
+from .knorm import KnormPolicy
+from .random import RandomPolicy
+from .snapkv import SnapKVPolicy
+from .streaming import StreamingPolicy
+from .tova import TovaPolicy
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "streaming": StreamingPolicy,
+    "tova": TovaPolicy,
+    "h2o": H2OPolicy,
+    "snapkv": SnapKVPolicy,
+    "knorm": KnormPolicy,
+    "random": RandomPolicy,
+}
+
+
+def register_policy(name: str, factory: Callable[..., Policy]) -> None:
+    """Make a policy available by name (used for the oracle and the learned scorers)."""
+    POLICIES[name] = factory
+
+
+def get_policy(policy: "str | Policy", **kwargs) -> Policy:
+    """A policy instance from a name or an instance; unknown names list the known ones."""
+    if isinstance(policy, Policy):
+        return policy
+    if not isinstance(policy, str) or policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; known policies: {', '.join(sorted(POLICIES))}")
+    return POLICIES[policy](**kwargs)
+
+
+__all__ = [
+    "ExitBatch",
+    "Policy",
+    "POLICIES",
+    "get_policy",
+    "register_policy",
+    "StreamingPolicy",
+    "TovaPolicy",
+    "H2OPolicy",
+    "SnapKVPolicy",
+    "KnormPolicy",
+    "RandomPolicy",
+]

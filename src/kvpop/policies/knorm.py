@@ -1,0 +1,18 @@
+"""Key-norm: keep tokens whose key has a *small* L2 norm.
+
+Low-norm keys tend to receive high attention (Devoto et al., 2024, as in kvpress' KnormPress),
+so the score is the negative key norm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ExitBatch, Policy
+
+
+class KnormPolicy(Policy):
+    name = "knorm"
+
+    def score(self, batch: ExitBatch) -> torch.Tensor:
+        return -batch.keys.float().norm(dim=-1)

@@ -1,0 +1,24 @@
+"""Shared base of the attention-based heuristics (TOVA, H2O, SnapKV).
+
+Under the window-exit rule each token is seen by exactly ``window`` queries while it is
+protected; these policies score it at exit by the attention those queries paid it:
+H2O sums over all of them, SnapKV averages over the last ``obs_window`` (its observation
+window), TOVA takes the last one (the "current" query). Attention is averaged over the query
+heads of the KV group and normalised over each query's sinks + window, which the cache
+computes for free while attending (see ``ExitBatch.attention``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ExitBatch, Policy
+
+
+class ObservedAttentionPolicy(Policy):
+    needs_attention = True
+
+    def score(self, batch: ExitBatch) -> torch.Tensor:
+        if batch.attention is None:
+            raise RuntimeError(f"{self.name} needs attention statistics but the cache gave none")
+        return batch.attention.float()

@@ -1,0 +1,35 @@
+"""Random eviction: a seeded score per (layer, head, token).
+
+The score is a hash of ``(seed, layer, head, token index)`` rather than a draw from a
+generator, so it does not depend on how the sequence was chunked or batched: a prefill in
+chunks, token by token, or a row alone or in a padded batch all evict the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ExitBatch, Policy
+
+
+def hash_uniform(seed: int, layer: int, head: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Deterministic pseudo-uniform [0, 1) values (the classic sin-fract hash, in float64)."""
+    x = index.double() * 12.9898 + head.double() * 78.233 + (layer * 37.719 + seed * 4.1414)
+    y = torch.sin(x) * 43758.5453
+    return (y - torch.floor(y)).float()
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = int(seed)
+
+    def score(self, batch: ExitBatch) -> torch.Tensor:
+        b, h, x, _ = batch.keys.shape
+        head = torch.arange(h, device=batch.keys.device).view(1, h, 1)
+        index = batch.index.unsqueeze(1).expand(b, h, x)
+        return hash_uniform(self.seed, batch.layer_idx, head, index)
+
+    def __repr__(self) -> str:
+        return f"RandomPolicy(seed={self.seed})"

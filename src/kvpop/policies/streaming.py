@@ -1,0 +1,20 @@
+"""StreamingLLM: attention sinks plus the most recent tokens, nothing else.
+
+At an equal budget ``B`` the long-range slots are given to the window (``window = B - sinks``,
+``k = 0``), which is the fair comparison: every policy holds ``B`` slots per head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import ExitBatch, Policy
+
+
+class StreamingPolicy(Policy):
+    name = "streaming"
+    uses_long_range = False
+
+    def score(self, batch: ExitBatch) -> torch.Tensor:
+        b, h, x, _ = batch.keys.shape
+        return torch.zeros(b, h, x, dtype=torch.float32, device=batch.keys.device)

@@ -1,0 +1,14 @@
+"""TOVA (Oren et al., 2024): keep the tokens the current query attends to most.
+
+Adapted to the window-exit rule: an exiting token is scored by the attention of the last
+query that still had it in its window (observation window of one query).
+"""
+
+from __future__ import annotations
+
+from .observed import ObservedAttentionPolicy
+
+
+class TovaPolicy(ObservedAttentionPolicy):
+    name = "tova"
+    obs_window = 1

@@ -1,0 +1,122 @@
+"""Dense masked reference for the bounded cache: the slow, obvious implementation.
+
+It keeps *every* key in a transformers ``DynamicCache``, runs one token at a time, and keeps
+per head a plain Python list of the long-range tokens, decided by the same rule as
+``kvpop.rule.reference_rule``. Attention masks exactly the tokens the rule evicted. It shares
+only the policies with :class:`kvpop.KVpopCache`, so agreement between the two (logits and
+held sets) checks the physical cache, the chunked prefill, the padding handling and the
+observed-attention statistics at once. Batch size 1 only; it is for tests, not for speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+
+from .config import EvictionConfig
+from .policies import ExitBatch, Policy
+
+NAME = "kvpop_reference"
+_ACTIVE: list["MaskedReference"] = []
+
+
+class MaskedReference:
+    """Token-by-token dense model with per-head eviction masks."""
+
+    def __init__(self, model, eviction: EvictionConfig, policy: Policy):
+        text = model.config.get_text_config(decoder=True)
+        self.model, self.cfg, self.policy = model, eviction, policy
+        self.num_layers = text.num_hidden_layers
+        self.kv_heads = text.num_key_value_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        policy.setup(self.num_layers, self.kv_heads, head_dim, eviction.window)
+        self.long_range = [[[] for _ in range(self.kv_heads)] for _ in range(self.num_layers)]
+        self.prio: list[dict[int, float]] = [{} for _ in range(self.num_layers)]
+        self.local_probs: list[list[torch.Tensor]] = [[] for _ in range(self.num_layers)]  # [h, t+1] per query
+        self.t = -1
+
+    def held(self, layer: int, head: int, t: int) -> set[int]:
+        s, w = self.cfg.sinks, self.cfg.window
+        return set(range(min(s, t + 1))) | set(range(max(s, t - w + 1), t + 1)) | set(self.long_range[layer][head])
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[1, T, vocab]`` of the sequence fed one token at a time."""
+        if input_ids.shape[0] != 1:
+            raise ValueError("MaskedReference runs batch size 1")
+        config = self.model.config
+        previous = config._attn_implementation
+        cache = DynamicCache(config=config)
+        logits = []
+        _ACTIVE.append(self)
+        config._attn_implementation = NAME
+        try:
+            for i in range(input_ids.shape[1]):
+                self.t += 1
+                out = self.model(input_ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+                logits.append(out.logits)
+        finally:
+            config._attn_implementation = previous
+            _ACTIVE.pop()
+        return torch.cat(logits, dim=1)
+
+    def attention(self, module, query, key, value, scaling):
+        layer, t = module.layer_idx, self.t
+        s, w, k = self.cfg.sinks, self.cfg.window, self.cfg.k
+        hq, h = query.shape[1], key.shape[1]
+        g = hq // h
+        q = query[0, :, 0].float().view(h, g, -1)  # [h, g, d]
+        keys = key[0].float()  # [h, t+1, d]
+        logits = torch.einsum("hgd,htd->hgt", q, keys) * scaling
+        pos = torch.arange(t + 1)
+        local = (pos < s) | (pos > t - w)
+        p_local = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1).mean(1)  # [h, t+1]
+        self.local_probs[layer].append(p_local)
+        e = t - w
+        if e >= s:
+            attention = None
+            if self.policy.needs_attention:
+                obs = self.policy.obs_window or w
+                rows = self.local_probs[layer][e + w - obs : e + w]
+                attention = torch.stack([r[:, e] for r in rows]).sum(0).view(1, h, 1)
+            batch = ExitBatch(
+                layer_idx=layer,
+                keys=key[:, :, e : e + 1],
+                values=value[:, :, e : e + 1],
+                index=torch.tensor([[e]]),
+                new_keys=key[:, :, t : t + 1],
+                new_values=value[:, :, t : t + 1],
+                new_index=torch.tensor([[t]]),
+                attention=attention,
+            )
+            scores = self.policy.score(batch).float().view(h) + self.cfg.lam * e
+            for head in range(h):
+                lr = self.long_range[layer][head]
+                prio = self.prio[layer]
+                key_of = lambda i: (prio[(head, i)], -i)  # noqa: E731 — the rule's total order
+                prio[(head, e)] = scores[head].item()
+                if len(lr) < k:
+                    lr.append(e)
+                elif k > 0:
+                    worst = min(lr, key=key_of)
+                    if key_of(e) > key_of(worst):
+                        lr.remove(worst)
+                        lr.append(e)
+        mask = torch.zeros(h, t + 1, dtype=torch.bool)
+        for head in range(h):
+            mask[head, sorted(self.held(layer, head, t))] = True
+        scores_full = logits.masked_fill(~mask.view(h, 1, t + 1), -math.inf)
+        probs = torch.softmax(scores_full, dim=-1)
+        out = torch.einsum("hgt,htd->hgd", probs, value[0].float()).reshape(hq, 1, -1)
+        return out.to(query.dtype).permute(1, 0, 2).unsqueeze(0), None  # [1, 1, hq, d]
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    if not _ACTIVE:
+        raise RuntimeError("kvpop_reference attention used outside MaskedReference.run")
+    return _ACTIVE[-1].attention(module, query, key, value, scaling or query.shape[-1] ** -0.5)
+
+
+AttentionInterface.register(NAME, _reference_attention)
