@@ -133,7 +133,7 @@ def test_left_padded_batch_equals_rows_alone(policy):
     batch = torch.cat([a, torch.cat([torch.full((1, 15), pad), b], 1)], 0)
     mask = torch.ones_like(batch)
     mask[1, :15] = 0
-    kw = dict(budget=14, window=4, sinks=2, policy=policy)
+    kw = {"budget": 14, "window": 4, "sinks": 2, "policy": policy}
     cb = KVpopCache(model.config, **kw)
     out = model.generate(batch, attention_mask=mask, past_key_values=cb, max_new_tokens=20, do_sample=False, pad_token_id=pad)
     for row, seq in ((0, a), (1, b)):

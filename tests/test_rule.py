@@ -83,6 +83,6 @@ def test_reference_rule_small_example():
 
 
 def test_ties_older_token_wins():
-    states, leave = reference_rule([0.0, 1.0, 1.0, 1.0], sinks=0, window=1, k=1)
+    states, _leave = reference_rule([0.0, 1.0, 1.0, 1.0], sinks=0, window=1, k=1)
     # 0 exits and is replaced by 1; 2 ties 1 and loses (the older token wins ties)
     assert states[-1] == {1, 3}

@@ -5,3 +5,24 @@ from .config import EvictionConfig
 from .policies import POLICIES, Policy, get_policy, register_policy
 
 __version__ = "0.1.0"
+
+from .generate import GenerationResult, generate, make_cache
+from .models import SUPPORTED_MODEL_TYPES, ModelLoadError, kv_bytes_per_token, load_model, model_summary
+
+__all__ = [
+    "EvictionConfig",
+    "GenerationResult",
+    "KVpopCache",
+    "KVpopLayer",
+    "ModelLoadError",
+    "POLICIES",
+    "Policy",
+    "SUPPORTED_MODEL_TYPES",
+    "generate",
+    "get_policy",
+    "kv_bytes_per_token",
+    "load_model",
+    "make_cache",
+    "model_summary",
+    "register_policy",
+]

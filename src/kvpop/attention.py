@@ -47,7 +47,7 @@ def _base_name(config) -> str:
 def kvpop_mask(**kwargs) -> KVpopMask:
     config = kwargs.get("config")
     base = _base_name(config)
-    fn = ALL_MASK_ATTENTION_FUNCTIONS[base] if base in ALL_MASK_ATTENTION_FUNCTIONS else None
+    fn = ALL_MASK_ATTENTION_FUNCTIONS.get(base, None)
     return KVpopMask(padding=kwargs.get("attention_mask"), _base_kwargs=kwargs, _base_fn=fn)
 
 

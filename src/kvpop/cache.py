@@ -134,7 +134,7 @@ class KVpopLayer(CacheLayerMixin):
         h = k_new.shape[1]
         g = hq // h
         dev = q.device
-        arange_h = torch.arange(h, device=dev)
+        torch.arange(h, device=dev)
 
         # logical index of each new token in its row; -1 for padding
         new_idx = torch.where(valid, self.n_real.unsqueeze(1) + valid.long().cumsum(1) - 1, -1)
@@ -292,7 +292,7 @@ class KVpopCache(Cache):
         reference_length: int | None = None,
         window: int | None = None,
         sinks: int = 4,
-        policy: "str | Policy" = "knorm",
+        policy: str | Policy = "knorm",
         lam: float = 0.0,
         prefill_chunk: int | None = None,
         eviction: EvictionConfig | None = None,

@@ -64,7 +64,7 @@ class EvictionConfig:
         sinks: int = 4,
         lam: float = 0.0,
         prefill_chunk: int | None = None,
-    ) -> "EvictionConfig":
+    ) -> EvictionConfig:
         """Resolve exactly one of ``budget``, ``k`` or ``compression`` (+ ``reference_length``).
 
         ``window`` defaults to ``B // 8`` (the paper's proportion: 256 of 2048), at least 1.
@@ -86,7 +86,7 @@ class EvictionConfig:
                 raise ValueError(
                     f"compression={compression} needs reference_length=L (a positive int), got {reference_length!r}"
                 )
-            budget = int(round((1.0 - compression) * reference_length))
+            budget = round((1.0 - compression) * reference_length)
             if budget < 1:
                 raise ValueError(
                     f"compression={compression} of reference_length={reference_length} leaves no slots"

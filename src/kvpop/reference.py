@@ -19,7 +19,7 @@ from .config import EvictionConfig
 from .policies import ExitBatch, Policy
 
 NAME = "kvpop_reference"
-_ACTIVE: list["MaskedReference"] = []
+_ACTIVE: list[MaskedReference] = []
 
 
 class MaskedReference:
@@ -95,7 +95,7 @@ class MaskedReference:
             for head in range(h):
                 lr = self.long_range[layer][head]
                 prio = self.prio[layer]
-                key_of = lambda i: (prio[(head, i)], -i)  # noqa: E731 — the rule's total order
+                key_of = lambda i: (prio[(head, i)], -i)
                 prio[(head, e)] = scores[head].item()
                 if len(lr) < k:
                     lr.append(e)

