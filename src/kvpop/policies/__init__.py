@@ -7,6 +7,8 @@ from collections.abc import Callable
 from .base import ExitBatch, Policy
 from .h2o import H2OPolicy
 from .knorm import KnormPolicy
+from .learned import LearnedPolicy, learned_policy_factory
+from .oracle import OraclePolicy
 from .random import RandomPolicy
 from .snapkv import SnapKVPolicy
 from .streaming import StreamingPolicy
@@ -19,6 +21,9 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "snapkv": SnapKVPolicy,
     "knorm": KnormPolicy,
     "random": RandomPolicy,
+    "oracle": OraclePolicy,
+    "kvpop": learned_policy_factory("mlstm"),
+    "kvpop-mlp": learned_policy_factory("mlp"),
 }
 
 
@@ -41,6 +46,8 @@ __all__ = [
     "ExitBatch",
     "H2OPolicy",
     "KnormPolicy",
+    "LearnedPolicy",
+    "OraclePolicy",
     "Policy",
     "RandomPolicy",
     "SnapKVPolicy",

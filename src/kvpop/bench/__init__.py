@@ -1,0 +1,1 @@
+"""Micro-benchmarks (``kvpop bench ...``)."""

@@ -1,0 +1,345 @@
+"""Capture post-RoPE keys/values (and training targets) from a transformers model.
+
+Mechanism: a custom attention function is registered once in transformers'
+``AttentionInterface`` (and ``sdpa_mask`` under the same name in ``AttentionMaskInterface``, so
+the model builds the same masks as for ``"sdpa"``).  ``capturing(model)`` temporarily sets the
+model's ``config._attn_implementation`` to that name and restores it on exit (also on errors).
+Every attention module then calls our function with its post-RoPE queries and keys (keys not yet
+repeated for GQA) and ``module.layer_idx``; we store keys and values, compute the layer's target
+right away (so queries are never kept for all layers) and return the attention output.
+
+The attention output is computed by transformers' ``sdpa_attention_forward``, except in the
+plain case (no mask, CPU, no sliding window/softcap/bias) where one call of PyTorch's CPU flash
+kernel gives both the output and the row LSE that the target reuses.  Logits are unchanged up to
+float rounding (tested).
+
+Padding: ``attention_mask`` (2-D, ``[batch, S]``) may mark padding on the left or the right (the
+valid tokens of each row must be contiguous).  The target of a row is computed on its valid
+tokens only, exactly as for the unpadded sequence (attention depends on relative positions
+only); padded positions get ``-inf``.  Keys/values are returned for all ``S`` positions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .targets import fused_available, future_attention
+
+__all__ = ["ATTN_NAME", "CaptureState", "LayerCapture", "capturing", "collect"]
+
+ATTN_NAME = "kvpop_capture"
+
+
+@dataclass
+class LayerCapture:
+    """What one attention layer saw.
+
+    Attributes:
+        layer: layer index (``module.layer_idx``).
+        keys: post-RoPE keys ``[batch, kv_heads, S, head_dim]`` (model dtype and device).
+        values: values ``[batch, kv_heads, S, head_dim]``.
+        target: log future-attention target ``[batch, kv_heads, S]`` (float32, or float64 for a
+            float64 model) when a window was given, else ``None``; ``-inf`` where undefined (the
+            last ``window`` valid tokens of a row, and padding).
+        queries: post-RoPE queries ``[batch, q_heads, S, head_dim]`` if ``keep_queries=True``.
+    """
+
+    layer: int
+    keys: Tensor
+    values: Tensor
+    target: Tensor | None = None
+    queries: Tensor | None = None
+
+
+@dataclass
+class CaptureState:
+    """Filled while a ``capturing`` context is active; ``captures`` maps layer -> LayerCapture."""
+
+    layers: frozenset[int] | None = None
+    window: int | None = None
+    method: str = "auto"
+    attention_mask: Tensor | None = None  # 2-D padding mask of the current call, if any
+    reuse_lse: bool = True
+    keep_queries: bool = False
+    captures: dict[int, LayerCapture] = field(default_factory=dict)
+    _warned_sliding: bool = False
+
+    def result(self) -> list[LayerCapture]:
+        return [self.captures[i] for i in sorted(self.captures)]
+
+
+_ACTIVE: contextvars.ContextVar[CaptureState | None] = contextvars.ContextVar("kvpop_capture", default=None)
+_REGISTERED = False
+
+
+def _register() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register(ATTN_NAME, _capture_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
+    _REGISTERED = True
+
+
+# --------------------------------------------------------------------------------------------
+# the attention function
+# --------------------------------------------------------------------------------------------
+
+
+def _sdpa(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+_MODIFIERS = ("sliding_window", "softcap", "position_bias", "s_aux", "sinks")
+
+
+def _flash_forward(query: Tensor, key: Tensor, value: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Causal attention via the CPU flash kernel: (output ``[B, S, Hq, Dv]``, lse ``[B, Hq, S]``)."""
+    B, Hq, S, D = query.shape
+    Hk = key.shape[1]
+    G = Hq // Hk
+    qv = query.reshape(B * Hk, G, S, D)
+    kv = key.reshape(B * Hk, 1, S, D).expand(B * Hk, G, S, D)
+    vv = value.reshape(B * Hk, 1, S, value.shape[-1]).expand(B * Hk, G, S, value.shape[-1])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qv, kv, vv, 0.0, True, scale=scale)
+    out = out.reshape(B, Hq, S, -1).transpose(1, 2).contiguous()
+    return out, lse.reshape(B, Hq, S)
+
+
+def _segments(mask2d: Tensor, S: int) -> list[tuple[int, int]]:
+    """Per row, the contiguous [start, end) range of valid tokens; ValueError otherwise."""
+    m = mask2d.to(torch.bool).cpu()
+    segs = []
+    for r in range(m.shape[0]):
+        idx = m[r].nonzero().flatten()
+        if idx.numel() == 0:
+            segs.append((0, 0))
+            continue
+        a, b = int(idx[0]), int(idx[-1]) + 1
+        if b - a != idx.numel():
+            raise ValueError(
+                f"attention_mask row {r}: valid tokens must be contiguous (left or right padding only)"
+            )
+        segs.append((a, b))
+    return segs
+
+
+def _target(state: CaptureState, query: Tensor, key: Tensor, scale: float, lse: Tensor | None) -> Tensor:
+    window = state.window
+    B, Hk, S, _ = key.shape
+    out_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    am = state.attention_mask
+    if am is None:
+        if window >= S:
+            return torch.full((B, Hk, S), -math.inf, dtype=out_dtype, device=key.device)
+        return future_attention(query, key, window, scale=scale, lse=lse, method=state.method).to(out_dtype)
+    out = torch.full((B, Hk, S), -math.inf, dtype=out_dtype, device=key.device)
+    for r, (a, b) in enumerate(_segments(am, S)):
+        if b - a > window:
+            out[r : r + 1, :, a:b] = future_attention(
+                query[r : r + 1, :, a:b], key[r : r + 1, :, a:b], window, scale=scale, method=state.method
+            ).to(out_dtype)
+    return out
+
+
+def _capture_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+):
+    state = _ACTIVE.get()
+    idx = getattr(module, "layer_idx", None)
+    if state is None or idx is None or (state.layers is not None and idx not in state.layers):
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+    S = query.shape[2]
+    if key.shape[2] != S:
+        raise RuntimeError("kvpop capture expects a cache-free forward (use_cache=False, no past keys)")
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    sw = kwargs.get("sliding_window")
+    if sw is not None and S > sw and state.window is not None and not state._warned_sliding:
+        warnings.warn(
+            f"layer {idx} uses sliding-window attention ({sw} < S={S}); kvpop targets assume full causal attention",
+            stacklevel=2,
+        )
+        state._warned_sliding = True
+
+    lse = None
+    plain = (
+        state.reuse_lse
+        and state.window is not None
+        and state.attention_mask is None
+        and attention_mask is None
+        and dropout == 0.0
+        and not (
+            torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        )
+        and kwargs.get("is_causal", True) is not False
+        and all(kwargs.get(m) is None for m in _MODIFIERS)
+        and query.shape[-1] == key.shape[-1] == value.shape[-1]
+        and fused_available(query.dtype, query.device)
+        and key.dtype == query.dtype == value.dtype
+    )
+    if plain:
+        attn_output, lse = _flash_forward(query, key, value, scale)
+        attn_weights = None
+    else:
+        attn_output, attn_weights = _sdpa(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+
+    with torch.no_grad():
+        target = (
+            _target(state, query.detach(), key.detach(), scale, lse) if state.window is not None else None
+        )
+    state.captures[idx] = LayerCapture(
+        layer=idx,
+        keys=key.detach(),
+        values=value.detach(),
+        target=target,
+        queries=query.detach() if state.keep_queries else None,
+    )
+    return attn_output, attn_weights
+
+
+# --------------------------------------------------------------------------------------------
+# switching the model's attention implementation
+# --------------------------------------------------------------------------------------------
+
+
+def _configs(model: torch.nn.Module) -> list:
+    """Every distinct config object reachable from the model's modules (and their sub-configs)."""
+    seen: dict[int, object] = {}
+    stack = [getattr(m, "config", None) for m in model.modules()]
+    while stack:
+        cfg = stack.pop()
+        if cfg is None or id(cfg) in seen or not hasattr(cfg, "_attn_implementation_internal"):
+            continue
+        seen[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            stack.append(getattr(cfg, key, None))
+    return list(seen.values())
+
+
+def _num_layers(model) -> int | None:
+    cfg = model.config
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    return getattr(cfg, "num_hidden_layers", None)
+
+
+@contextlib.contextmanager
+def capturing(
+    model: torch.nn.Module,
+    *,
+    layers: Iterable[int] | None = None,
+    window: int | None = None,
+    method: str = "auto",
+    attention_mask: Tensor | None = None,
+    reuse_lse: bool = True,
+    keep_queries: bool = False,
+) -> Iterator[CaptureState]:
+    """Context manager: while active, forwards of ``model`` fill the yielded ``CaptureState``.
+
+    ``attention_mask`` is the 2-D padding mask of the forward(s) run inside (needed for the
+    targets of padded rows).  ``reuse_lse``: in the plain case, take the attention output and the
+    row LSE from one flash-kernel call (else the output comes from transformers' SDPA function and
+    the target computes its own LSE).  The model's attention implementation is restored on exit.
+    """
+    _register()
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be an int >= 0 or None; got {window!r}")
+    n = _num_layers(model)
+    if layers is not None:
+        layers = frozenset(int(i) for i in layers)
+        if n is not None and any(i < 0 or i >= n for i in layers):
+            raise ValueError(f"layers must lie in [0, {n}); got {sorted(layers)}")
+    if attention_mask is not None and attention_mask.ndim != 2:
+        raise ValueError("attention_mask must be 2-D [batch, S]")
+    if attention_mask is not None and bool(attention_mask.to(torch.bool).all()):
+        attention_mask = None
+    state = CaptureState(
+        layers=layers,
+        window=window,
+        method=method,
+        attention_mask=attention_mask,
+        reuse_lse=reuse_lse,
+        keep_queries=keep_queries,
+    )
+    configs = _configs(model)
+    saved = [(c, c._attn_implementation_internal) for c in configs]
+    token = _ACTIVE.set(state)
+    try:
+        for c in configs:
+            c._attn_implementation_internal = ATTN_NAME
+        yield state
+    finally:
+        for c, v in saved:
+            c._attn_implementation_internal = v
+        _ACTIVE.reset(token)
+
+
+def collect(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor | None = None,
+    layers: Iterable[int] | None = None,
+    window: int | None = None,
+    *,
+    method: str = "auto",
+    keep_queries: bool = False,
+) -> list[LayerCapture]:
+    """Run ``model`` over a batch (no grad, no cache) and return one ``LayerCapture`` per layer.
+
+    Args:
+        model: a transformers causal LM (Llama, Qwen2/3, Mistral, ... models that dispatch through
+            ``AttentionInterface``).
+        input_ids: ``[batch, S]``.
+        attention_mask: optional ``[batch, S]`` padding mask (contiguous valid tokens per row).
+        layers: layer indices to capture (default: all), returned in increasing order.
+        window: if given, also compute the target for this window (``kvpop.targets``).
+        method: ``future_attention`` method for the targets.
+        keep_queries: also return the post-RoPE queries (memory: all layers' queries).
+    """
+    if input_ids.ndim != 2:
+        raise ValueError("input_ids must be [batch, S]")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError("attention_mask must have the shape of input_ids")
+    with (
+        torch.no_grad(),
+        capturing(
+            model,
+            layers=layers,
+            window=window,
+            method=method,
+            attention_mask=attention_mask,
+            keep_queries=keep_queries,
+        ) as state,
+    ):
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    want = state.layers if state.layers is not None else range(_num_layers(model) or len(state.captures))
+    missing = sorted(set(want) - set(state.captures))
+    if missing:
+        raise RuntimeError(
+            f"no attention call was captured for layers {missing}; the model may not dispatch "
+            "through transformers' AttentionInterface"
+        )
+    return state.result()

@@ -1,0 +1,89 @@
+"""KVpop-MLP: stateless per-KV-head scorer, r_hat(t) = MLP([k_t ; v_t]).
+
+Per head: x_t (see ``kv_features``, 2*head_dim+2 dims) -> Linear(hidden) -> SiLU -> Linear(1).
+All heads of one layer are evaluated at once with batched matmuls (weights have a
+leading ``kv_heads`` dim).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import BaseScorer, ScorerConfig, _generator, _normal_, feature_dim, head_linear, kv_features
+
+__all__ = ["KVpopMLP"]
+
+
+class KVpopMLP(BaseScorer):
+    """Stateless scorer ("kvpop-mlp"). ``forward(k, v) -> [b, h, T]``.
+
+    Parameters: w1 [H, Din, hidden], b1 [H, hidden], w2 [H, hidden, 1], b2 [H].
+    """
+
+    is_stateful = False
+
+    def __init__(self, kv_heads: int, head_dim: int, hidden: int = 64, *, input_norm: bool = True,
+                 eps: float = 1e-6, seed: int = 0) -> None:
+        super().__init__()
+        self.kv_heads = int(kv_heads)
+        self.head_dim = int(head_dim)
+        self.hidden = int(hidden)
+        self.input_norm = bool(input_norm)
+        self.eps = float(eps)
+        din = feature_dim(self.head_dim, self.input_norm)
+        self.in_dim = din
+        H = self.kv_heads
+        self.w1 = nn.Parameter(torch.empty(H, din, self.hidden))
+        self.b1 = nn.Parameter(torch.empty(H, self.hidden))
+        self.w2 = nn.Parameter(torch.empty(H, self.hidden, 1))
+        self.b2 = nn.Parameter(torch.empty(H))
+        self.reset_parameters(seed)
+
+    @classmethod
+    def from_config(cls, config: ScorerConfig, layer_idx: int = 0) -> KVpopMLP:
+        return cls(config.kv_heads, config.head_dim, config.hidden, input_norm=config.input_norm,
+                   eps=config.eps, seed=config.seed + layer_idx)
+
+    def reset_parameters(self, seed: int = 0) -> None:
+        g = _generator(seed)
+        _normal_(self.w1, 1.0 / math.sqrt(self.in_dim), g)
+        _normal_(self.w2, 1.0 / math.sqrt(self.hidden), g)
+        with torch.no_grad():
+            self.b1.zero_()
+            self.b2.zero_()
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, k: Tensor, v: Tensor) -> Tensor:
+        """[b, h, T, D] keys/values -> [b, h, T] scores."""
+        self._check_kv(k, v)
+        x = kv_features(k, v, self.input_norm, self.eps, dtype=self.w1.dtype)
+        hdn = F.silu(head_linear(x, self.w1, self.b1))
+        return head_linear(hdn, self.w2, self.b2.unsqueeze(-1)).squeeze(-1)
+
+    def forward(self, k: Tensor, v: Tensor, window: int | None = None, *, mask: Tensor | None = None,
+                **unused) -> Tensor:
+        """Scores of every token, ``[b, h, T]``. ``window`` and ``mask`` are accepted for
+        interface parity with the mLSTM scorer and ignored (the MLP is per-token)."""
+        return self.score(k, v)
+
+    # --------------------------------------------- uniform inference interface
+    def init_state(self, batch: int = 1, device=None, dtype=None) -> None:
+        return None
+
+    def step(self, state, k: Tensor, v: Tensor, mask: Tensor | None = None):
+        return state
+
+    def read(self, state, k: Tensor, v: Tensor) -> Tensor:
+        return self.score(k, v)
+
+    def step_and_read(self, state, k_new: Tensor, v_new: Tensor, k_read: Tensor, v_read: Tensor,
+                      read_steps: Tensor | None = None, mask: Tensor | None = None):
+        return state, self.score(k_read, v_read)
+
+    def extra_repr(self) -> str:
+        return (f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, hidden={self.hidden}, "
+                f"input_norm={self.input_norm}")

@@ -1,0 +1,447 @@
+"""KVpop (stateful): a small per-KV-head mLSTM (xLSTM matrix memory) scorer.
+
+Per KV head and token s, from the input features x_s (see ``kv_features``) one
+fused projection gives
+
+    kk_s  [dk]   memory key            vv_s [dv]   memory value
+    i_s   []     input-gate pre-act. (exponential input gate, exp(i_s))
+    f_s   []     forget-gate pre-act. (log f_s = logsigmoid(f_s), or f_s for "exp")
+    qq_s  [dk]   query, scaled by 1/sqrt(dk) (used when token s is *read*)
+    u_s   [hid]  feature-MLP pre-activation (score head input, if read_mlp)
+
+The state after consuming tokens 0..q (stabilised form, m_{-1} = -inf, C = n = 0):
+
+    m_q = max(log f_q + m_{q-1}, i_q)
+    C_q = exp(log f_q + m_{q-1} - m_q) C_{q-1} + exp(i_q - m_q) kk_q vv_q^T      [dk, dv]
+    n_q = exp(log f_q + m_{q-1} - m_q) n_{q-1} + exp(i_q - m_q) kk_q             [dk]
+
+Token t is scored when it leaves the protected window, at step q(t) = t + window,
+against the state that has consumed tokens 0..q(t):
+
+    h_t = C_q^T qq_t / max(|n_q^T qq_t|, exp(-m_q))                             [dv]
+    r_hat(t) = w_out . [rmsnorm(h_t) ; SiLU(u_t)] + b_out
+
+(``exp(-m)`` is the stabilised form of the usual ``max(|n^T q|, 1)``.) An empty
+state (nothing consumed) reads h = 0.
+
+Training uses a parallel form: with F_q = sum_{r<=q} log f_r the log weight of
+token s in the state at step q is D[q, s] = F_q - F_s + i_s (s <= q), so
+
+    h_t = sum_s exp(D[q(t),s] - M_t) (qq_t . kk_s) vv_s / max(|sum_s exp(D - M_t) qq_t . kk_s|, exp(-M_t)),
+    M_t = max_s D[q(t), s]     (= the recurrent m_{q(t)}).
+
+``forward(..., mode="chunkwise")`` (default) splits the steps into chunks of L:
+the within-chunk part is a causal L x L block and the chunk-start states come from
+a small [nc+1, nc] log-weight matrix over the chunks' local states (no Python loop),
+so memory and compute are O(T * L + (T/L)^2 * dk * dv), never T x T.
+``mode="parallel"`` materialises D per block of queries (O(block * T) memory; a
+reference, fine up to T ~ 2k). Tokens with
+t + window > T - 1 have no state at their exit step inside the sequence: they are
+read against the FINAL state (step T-1). (They have fewer than ``window`` future
+queries and are excluded from the training loss anyway.) Both forms equal the
+recurrent ``step``/``read`` to float tolerance (tests/test_scorers.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import BaseScorer, ScorerConfig, _generator, _normal_, feature_dim, head_linear, kv_features
+
+__all__ = ["KVpopMLSTM", "MLSTMState"]
+
+_NEG_INF = float("-inf")
+
+
+class MLSTMState(NamedTuple):
+    """Recurrent state of one layer: C [b, h, dk, dv], n [b, h, dk], m [b, h] (m = -inf: empty)."""
+
+    C: Tensor
+    n: Tensor
+    m: Tensor
+
+    def index_select(self, batch_idx: Tensor) -> MLSTMState:
+        """Reorder / select batch rows (e.g. for beam search)."""
+        return MLSTMState(self.C.index_select(0, batch_idx), self.n.index_select(0, batch_idx),
+                          self.m.index_select(0, batch_idx))
+
+
+def _exp_diff(a: Tensor, b: Tensor) -> Tensor:
+    """exp(a - b) with exp(-inf - (-inf)) := 0 (empty-state guard), gradient-safe."""
+    return torch.exp((a - b).masked_fill(torch.isneginf(a), _NEG_INF))
+
+
+def _attend(Q: Tensor, K: Tensor, V: Tensor, D: Tensor, inter: Tensor, C0: Tensor, n0: Tensor) -> Tensor:
+    """Stabilised mLSTM readout of queries Q against (a prior state C0, n0 with log weight
+    ``inter`` per query) plus the tokens K, V with log weights D (-inf = not in the state).
+
+    Q [..., M, dk], K [..., N, dk], V [..., N, dv], D [..., M, N], inter [..., M],
+    C0 [..., dk, dv], n0 [..., dk]  ->  h [..., M, dv].
+    """
+    mrow = torch.maximum(inter, D.amax(-1))
+    ms = mrow.masked_fill(torch.isneginf(mrow), 0.0)  # empty rows: everything below is 0
+    Wd = torch.exp(D - ms.unsqueeze(-1))
+    wi = torch.exp(inter - ms)
+    S = torch.matmul(Q, K.transpose(-1, -2)) * Wd
+    num = torch.matmul(S, V) + wi.unsqueeze(-1) * torch.matmul(Q, C0)
+    den = S.sum(-1) + wi * torch.matmul(Q, n0.unsqueeze(-1)).squeeze(-1)
+    den = torch.maximum(den.abs(), torch.exp(-ms))
+    return num / den.unsqueeze(-1)
+
+
+def _read_h(state: MLSTMState, qq: Tensor, nonempty: bool = False) -> Tensor:
+    """Readout of queries qq [b, h, M, dk] against the current state -> [b, h, M, dv].
+    ``nonempty=True`` skips the empty-state guard (m finite, e.g. right after a step)."""
+    C0, n0, m0 = state
+    if not nonempty:
+        m0 = m0.masked_fill(torch.isneginf(m0), 0.0)  # empty state: C = n = 0 -> h = 0
+    num = torch.matmul(qq, C0)
+    den = torch.matmul(qq, n0.unsqueeze(-1))
+    den = torch.maximum(den.abs(), torch.exp(-m0)[..., None, None])
+    return num / den
+
+
+class KVpopMLSTM(BaseScorer):
+    """Stateful scorer ("kvpop"): per-KV-head mLSTM over the cache's [k ; v] stream.
+
+    Parameters (H = kv_heads, Din = feature dim, E = dk + dv + 2 + dk + hidden):
+      w_proj [H, Din, E], b_proj [H, E]   fused projection; columns
+            [0:dk] kk | [dk:dk+dv] vv | [dk+dv] i | [dk+dv+1] f | [.. +dk] qq | [..] u (feature MLP)
+      w_out [H, dv + hidden, 1], b_out [H]   linear score head on [rmsnorm(h); SiLU(u)]
+    """
+
+    is_stateful = True
+
+    def __init__(self, kv_heads: int, head_dim: int, dk: int = 32, dv: int = 32, hidden: int = 64, *,
+                 input_norm: bool = True, read_mlp: bool = True, h_norm: bool = True,
+                 forget_gate: str = "sigmoid", forget_bias: tuple[float, float] = (3.0, 6.0),
+                 chunk_size: int = 128, eps: float = 1e-6, seed: int = 0) -> None:
+        super().__init__()
+        if forget_gate not in ("sigmoid", "exp"):
+            raise ValueError(f"forget_gate must be 'sigmoid' or 'exp', got {forget_gate!r}")
+        self.kv_heads = int(kv_heads)
+        self.head_dim = int(head_dim)
+        self.dk = int(dk)
+        self.dv = int(dv)
+        self.read_mlp = bool(read_mlp) and int(hidden) > 0
+        self.hidden = int(hidden) if self.read_mlp else 0
+        self.input_norm = bool(input_norm)
+        self.h_norm = bool(h_norm)
+        self.forget_gate = forget_gate
+        self.forget_bias = tuple(float(x) for x in forget_bias)
+        self.chunk_size = int(chunk_size)
+        self.eps = float(eps)
+        self.in_dim = feature_dim(self.head_dim, self.input_norm)
+        H = self.kv_heads
+        self._o_gate = self.dk + self.dv  # column of i; f is the next one
+        self._o_q = self._o_gate + 2
+        self._o_u = self._o_q + self.dk
+        E = self._o_u + self.hidden
+        self.w_proj = nn.Parameter(torch.empty(H, self.in_dim, E))
+        self.b_proj = nn.Parameter(torch.empty(H, E))
+        self.w_out = nn.Parameter(torch.empty(H, self.dv + self.hidden, 1))
+        self.b_out = nn.Parameter(torch.empty(H))
+        self.q_scale = 1.0 / math.sqrt(self.dk)
+        self.reset_parameters(seed)
+
+    @classmethod
+    def from_config(cls, config: ScorerConfig, layer_idx: int = 0) -> KVpopMLSTM:
+        return cls(config.kv_heads, config.head_dim, config.dk, config.dv, config.hidden,
+                   input_norm=config.input_norm, read_mlp=config.read_mlp, h_norm=config.h_norm,
+                   forget_gate=config.forget_gate, forget_bias=config.forget_bias,
+                   chunk_size=config.chunk_size, eps=config.eps, seed=config.seed + layer_idx)
+
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Deterministic init: projections N(0, 1/Din), gate weights N(0, 0.1^2/Din), input-gate
+        bias 0, forget-gate bias linspace(forget_bias) over heads, head N(0, 1/(dv+hidden))."""
+        g = _generator(seed)
+        _normal_(self.w_proj, 1.0 / math.sqrt(self.in_dim), g)
+        _normal_(self.w_out, 1.0 / math.sqrt(self.dv + self.hidden), g)
+        with torch.no_grad():
+            self.w_proj[:, :, self._o_gate:self._o_gate + 2].mul_(0.1)
+            self.b_proj.zero_()
+            lo, hi = self.forget_bias
+            fb = torch.linspace(lo, hi, self.kv_heads) if self.kv_heads > 1 else torch.tensor([lo])
+            if self.forget_gate == "exp":  # same initial decay: log f = logsigmoid(b)
+                fb = F.logsigmoid(fb)
+            self.b_proj[:, self._o_gate + 1].copy_(fb.to(self.b_proj.dtype))
+            self.b_out.zero_()
+
+    # ----------------------------------------------------------------- helpers
+    def _project(self, k: Tensor, v: Tensor) -> Tensor:
+        x = kv_features(k, v, self.input_norm, self.eps, dtype=self.w_proj.dtype)
+        return head_linear(x, self.w_proj, self.b_proj)
+
+    def _split_new(self, p: Tensor, dtype: torch.dtype | None = None):
+        if dtype is not None and p.dtype != dtype:
+            p = p.to(dtype)
+        o = self._o_gate
+        kk = p[..., :self.dk]
+        vv = p[..., self.dk:o]
+        ig = p[..., o]
+        fg = p[..., o + 1]
+        logf = F.logsigmoid(fg) if self.forget_gate == "sigmoid" else fg
+        return kk, vv, ig, logf
+
+    def _split_read(self, p: Tensor, dtype: torch.dtype | None = None):
+        qq = p[..., self._o_q:self._o_u]
+        if dtype is not None and qq.dtype != dtype:
+            qq = qq.to(dtype)
+        return qq * self.q_scale, p[..., self._o_u:]
+
+    def _head(self, h: Tensor, u: Tensor) -> Tensor:
+        if h.dtype != self.w_out.dtype:
+            h = h.to(self.w_out.dtype)
+        if self.h_norm:
+            h = h * torch.rsqrt((h * h).sum(-1, keepdim=True).mul_(1.0 / self.dv).add_(self.eps))
+        z = torch.cat([h, F.silu(u)], dim=-1) if self.read_mlp else h
+        return head_linear(z, self.w_out, self.b_out.unsqueeze(-1)).squeeze(-1)
+
+    @staticmethod
+    def _apply_mask(ig: Tensor, logf: Tensor, mask: Tensor | None):
+        """Masked (padding) tokens: input gate -inf, log forget 0 -> identity update."""
+        if mask is None:
+            return ig, logf
+        if mask.dim() != 2 or mask.shape[0] != ig.shape[0] or mask.shape[1] != ig.shape[2]:
+            raise ValueError(f"mask must be [batch, n] = {(ig.shape[0], ig.shape[2])}, got {tuple(mask.shape)}")
+        drop = ~mask.to(device=ig.device, dtype=torch.bool).unsqueeze(1)
+        return ig.masked_fill(drop, _NEG_INF), logf.masked_fill(drop, 0.0)
+
+    def _check_state(self, state: MLSTMState, batch: int) -> None:
+        if state.C.shape[:2] != (batch, self.kv_heads):
+            raise ValueError(f"state is for batch/heads {tuple(state.C.shape[:2])}, inputs are "
+                             f"{(batch, self.kv_heads)}")
+
+    # ---------------------------------------------------------- state update
+    @staticmethod
+    def _update(state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor,
+                F64: Tensor | None = None) -> MLSTMState:
+        """Consume n tokens (masks already folded into ig/logf) in closed form."""
+        if kk.shape[2] == 0:
+            return state
+        C0, n0, m0 = state
+        if F64 is None:
+            F64 = logf.double().cumsum(-1)
+        G = F64[..., -1:]
+        a = (G - F64).to(ig.dtype) + ig  # log weight of each new token in the new state
+        mg = G.squeeze(-1).to(m0.dtype) + m0  # log weight of the old state
+        m_new = torch.maximum(mg, a.amax(-1))
+        d1 = _exp_diff(mg, m_new)
+        wk = _exp_diff(a, m_new.unsqueeze(-1)).unsqueeze(-1) * kk
+        C = d1[..., None, None] * C0 + torch.matmul(wk.transpose(-1, -2), vv)
+        n = d1.unsqueeze(-1) * n0 + wk.sum(-2)
+        return MLSTMState(C, n, m_new)
+
+    @staticmethod
+    def _update1(state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor,
+                 mask: Tensor | None) -> MLSTMState:
+        """Fast path for ONE new token (kk [b,h,1,dk], ig/logf [b,h,1])."""
+        C0, n0, m0 = state
+        ig = ig.squeeze(-1)
+        mg = logf.squeeze(-1) + m0
+        m_new = torch.maximum(mg, ig)  # finite (ig is), so no empty-state guard needed
+        d1 = torch.exp(mg - m_new).unsqueeze(-1)  # [b, h, 1]
+        wk = torch.exp(ig - m_new).unsqueeze(-1) * kk.squeeze(-2)  # [b, h, dk]
+        C = torch.addcmul(d1.unsqueeze(-1) * C0, wk.unsqueeze(-1), vv)  # vv [b, h, 1, dv]
+        n = torch.addcmul(wk, d1, n0)
+        if mask is not None:
+            keep = mask.to(device=C.device, dtype=torch.bool).reshape(-1, 1)  # [b, 1]
+            C = torch.where(keep[..., None, None], C, C0)
+            n = torch.where(keep[..., None], n, n0)
+            m_new = torch.where(keep, m_new, m0)
+        return MLSTMState(C, n, m_new)
+
+    # ------------------------------------------------ general parallel readout
+    def _scan(self, state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor, qq: Tensor,
+              read_steps: Tensor, query_block: int = 512) -> tuple[Tensor, MLSTMState]:
+        """Consume n new tokens from ``state`` and read queries qq [b,h,M,dk], query j against the
+        state after new token read_steps[b, j] (in [-1, n-1]; -1 = before any new token).
+        O(query_block * n) memory. Returns (h [b,h,M,dv], state after all n tokens)."""
+        b, H, n, _ = kk.shape
+        M = qq.shape[2]
+        F64 = logf.double().cumsum(-1)
+        if M == 0:
+            h = qq.new_zeros(b, H, 0, self.dv)
+        elif n == 0:
+            h = _read_h(state, qq)
+        else:
+            C0, n0, m0 = state
+            dtype = ig.dtype
+            Fq = F.pad(F64, (1, 0)).gather(-1, (read_steps + 1).unsqueeze(1).expand(b, H, M))
+            pos = torch.arange(n, device=kk.device)
+            outs = []
+            for j0 in range(0, M, query_block):
+                j1 = min(M, j0 + query_block)
+                Fqb = Fq[..., j0:j1]
+                ref = Fqb[..., :1]  # subtract a per-block reference: small, exact-ish differences
+                D = ((Fqb - ref).to(dtype).unsqueeze(-1) - (F64 - ref).to(dtype).unsqueeze(-2)
+                     + ig.unsqueeze(-2))
+                future = pos.view(1, 1, n) > read_steps[:, j0:j1].unsqueeze(-1)  # [b, mb, n]
+                D = D.masked_fill(future.unsqueeze(1), _NEG_INF)
+                inter = Fqb.to(dtype) + m0.unsqueeze(-1)
+                outs.append(_attend(qq[:, :, j0:j1], kk, vv, D, inter, C0, n0))
+            h = torch.cat(outs, dim=2)
+        return h, self._update(state, kk, vv, ig, logf, F64)
+
+    # --------------------------------------------------- chunkwise (training)
+    def _chunkwise(self, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor, qq: Tensor, window: int,
+                   L: int) -> tuple[Tensor, MLSTMState]:
+        b, H, T, dk = kk.shape
+        dv = vv.shape[-1]
+        nmain = max(T - window, 0)  # tokens 0..nmain-1 are read at step t + window <= T-1
+        # query read at step s is the token s - window (zeros for s < window: discarded)
+        Qs = torch.cat([qq.new_zeros(b, H, T - nmain, dk), qq[:, :, :nmain]], dim=2)
+        nc = -(-T // L)
+        pad = nc * L - T
+        if pad:  # padding steps are identity updates (i = -inf, log f = 0)
+            kk = F.pad(kk, (0, 0, 0, pad))
+            vv = F.pad(vv, (0, 0, 0, pad))
+            Qs = F.pad(Qs, (0, 0, 0, pad))
+            ig = F.pad(ig, (0, pad), value=_NEG_INF)
+            logf = F.pad(logf, (0, pad))
+        kk = kk.reshape(b, H, nc, L, dk)
+        vv = vv.reshape(b, H, nc, L, dv)
+        Qs = Qs.reshape(b, H, nc, L, dk)
+        ig = ig.reshape(b, H, nc, L)
+        Fl = logf.reshape(b, H, nc, L).cumsum(-1)  # within-chunk cumulative log forget
+        G = Fl[..., -1]  # [b, H, nc] total log decay of each chunk
+        # each chunk's own contribution to the state at its end, stabilised by its own max
+        a = G.unsqueeze(-1) - Fl + ig
+        mloc = a.amax(-1)
+        wk = _exp_diff(a, mloc.unsqueeze(-1)).unsqueeze(-1) * kk
+        Cloc = torch.matmul(wk.transpose(-1, -2), vv)  # [b, H, nc, dk, dv]
+        nloc = wk.sum(-2)  # [b, H, nc, dk]
+        # states at every chunk start (and the final state) in one shot, no loop over chunks:
+        # chunk j's local state enters the state at the start of chunk c (j < c) with log weight
+        # A[c, j] = (G_{j+1} + ... + G_{c-1}) + mloc_j; rows stabilised by their max (= m).
+        Gc = F.pad(G.double().cumsum(-1), (1, 0))  # Gc[c] = G_0 + ... + G_{c-1}, c = 0..nc
+        A = (Gc[..., :, None] - Gc[..., None, 1:]).to(mloc.dtype) + mloc.unsqueeze(-2)  # [b,H,nc+1,nc]
+        A = A.masked_fill(~torch.ones(nc + 1, nc, dtype=torch.bool, device=kk.device).tril(-1), _NEG_INF)
+        mst = A.amax(-1)  # [b, H, nc+1]; -inf = empty state
+        Wc = torch.exp(A - mst.masked_fill(torch.isneginf(mst), 0.0).unsqueeze(-1))
+        Cst = torch.einsum("bhcj,bhjkv->bhckv", Wc, Cloc)  # [b, H, nc+1, dk, dv]
+        nst = torch.einsum("bhcj,bhjk->bhck", Wc, nloc)
+        final = MLSTMState(Cst[:, :, nc], nst[:, :, nc], mst[:, :, nc])
+        parts = []
+        if nmain > 0:
+            Cp, np_, mp = Cst[:, :, :nc], nst[:, :, :nc], mst[:, :, :nc]
+            D = Fl.unsqueeze(-1) - Fl.unsqueeze(-2) + ig.unsqueeze(-2)  # [b, H, nc, L, L]
+            causal = torch.ones(L, L, dtype=torch.bool, device=kk.device).tril()
+            D = D.masked_fill(~causal, _NEG_INF)
+            inter = Fl + mp.unsqueeze(-1)
+            hs = _attend(Qs, kk, vv, D, inter, Cp, np_).reshape(b, H, nc * L, dv)
+            parts.append(hs[:, :, window:window + nmain])
+        if nmain < T:  # tokens whose exit step lies beyond the sequence: final state
+            parts.append(_read_h(final, qq[:, :, nmain:]))
+        return torch.cat(parts, dim=2), final
+
+    # ------------------------------------------------------------- public API
+    def forward(self, k: Tensor, v: Tensor, window: int, *, mask: Tensor | None = None,
+                mode: str = "chunkwise", chunk_size: int | None = None, query_block: int = 512,
+                return_state: bool = False):
+        """Scores of every token of a sequence, ``[b, h, T]``: token t read at step
+        min(t + window, T - 1) (see module docstring). ``mask`` [b, T] (bool, True = real
+        token) makes padding positions identity updates of the state (left padding keeps
+        exit steps aligned); their own scores are meaningless. ``return_state``: also return
+        the state after the whole sequence (to continue with ``step``)."""
+        self._check_kv(k, v)
+        window = int(window)
+        if window < 0:
+            raise ValueError("window must be >= 0")
+        b, _, T, _ = k.shape
+        if T == 0:
+            s = k.new_zeros(b, self.kv_heads, 0, dtype=self.w_out.dtype)
+            return (s, self.init_state(b, k.device)) if return_state else s
+        p = self._project(k, v)
+        kk, vv, ig, logf = self._split_new(p)
+        qq, u = self._split_read(p)
+        ig, logf = self._apply_mask(ig, logf, mask)
+        if mode == "chunkwise":
+            h, state = self._chunkwise(kk, vv, ig, logf, qq, window, int(chunk_size or self.chunk_size))
+        elif mode == "parallel":
+            steps = (torch.arange(T, device=k.device) + window).clamp_(max=T - 1)
+            h, state = self._scan(self.init_state(b, k.device), kk, vv, ig, logf, qq,
+                                  steps.unsqueeze(0).expand(b, T), query_block)
+        else:
+            raise ValueError(f"mode must be 'chunkwise' or 'parallel', got {mode!r}")
+        scores = self._head(h, u)
+        return (scores, state) if return_state else scores
+
+    def init_state(self, batch: int = 1, device=None, dtype=None) -> MLSTMState:
+        """Empty state: C = 0 [b,h,dk,dv], n = 0 [b,h,dk], m = -inf [b,h].
+        dtype defaults to the parameter dtype (keep it fp32 even with a bf16 cache)."""
+        device = device if device is not None else self.w_proj.device
+        dtype = dtype or self.w_proj.dtype
+        H = self.kv_heads
+        return MLSTMState(torch.zeros(batch, H, self.dk, self.dv, device=device, dtype=dtype),
+                          torch.zeros(batch, H, self.dk, device=device, dtype=dtype),
+                          torch.full((batch, H), _NEG_INF, device=device, dtype=dtype))
+
+    def step(self, state: MLSTMState, k: Tensor, v: Tensor, mask: Tensor | None = None) -> MLSTMState:
+        """Consume new tokens k, v [b, h, n, d] in order. mask [b, n] bool (True = real token):
+        masked positions leave the state unchanged."""
+        self._check_kv(k, v)
+        self._check_state(state, k.shape[0])
+        if k.shape[2] == 0:
+            return state
+        kk, vv, ig, logf = self._split_new(self._project(k, v), state.C.dtype)
+        if k.shape[2] == 1:
+            return self._update1(state, kk, vv, ig, logf, mask)
+        ig, logf = self._apply_mask(ig, logf, mask)
+        return self._update(state, kk, vv, ig, logf)
+
+    def read(self, state: MLSTMState, k: Tensor, v: Tensor) -> Tensor:
+        """Scores [b, h, n] of (exiting) tokens k, v [b, h, n, d] against the current state."""
+        self._check_kv(k, v)
+        self._check_state(state, k.shape[0])
+        qq, u = self._split_read(self._project(k, v), state.C.dtype)
+        return self._head(_read_h(state, qq), u)
+
+    def step_and_read(self, state: MLSTMState, k_new: Tensor, v_new: Tensor, k_read: Tensor,
+                      v_read: Tensor, read_steps: Tensor | Sequence[int] | None = None,
+                      mask: Tensor | None = None, query_block: int = 512) -> tuple[MLSTMState, Tensor]:
+        """Consume n new tokens and score m tokens, in one call (one fused projection).
+
+        read_steps: None -> every read after all new tokens (decode: n = m = 1); else [m] or
+        [b, m] ints in [-1, n-1]: read j happens right after new token read_steps[j] (-1: before
+        the first one), e.g. a prefill chunk where token t exits at step t + window. mask [b, n]
+        as in ``step``. Returns (state after all n tokens, scores [b, h, m])."""
+        self._check_kv(k_new, v_new)
+        self._check_kv(k_read, v_read)
+        b, _, n, _ = k_new.shape
+        self._check_state(state, b)
+        p = self._project(torch.cat([k_new, k_read.to(k_new.dtype)], 2),
+                          torch.cat([v_new, v_read.to(v_new.dtype)], 2))
+        dt = state.C.dtype
+        kk, vv, ig, logf = self._split_new(p[:, :, :n], dt)
+        qq, u = self._split_read(p[:, :, n:], dt)
+        if read_steps is None:
+            if n == 1:
+                state = self._update1(state, kk, vv, ig, logf, mask)
+                h = _read_h(state, qq, nonempty=mask is None)
+            else:
+                ig, logf = self._apply_mask(ig, logf, mask)
+                state = self._update(state, kk, vv, ig, logf)
+                h = _read_h(state, qq)
+        else:
+            rs = torch.as_tensor(read_steps, device=k_new.device, dtype=torch.long)
+            m_reads = k_read.shape[2]
+            rs = rs.expand(b, m_reads) if rs.dim() == 1 else rs
+            if rs.shape != (b, m_reads):
+                raise ValueError(f"read_steps must be [m] or [b, m] = {(b, m_reads)}, got {tuple(rs.shape)}")
+            if m_reads and (int(rs.min()) < -1 or int(rs.max()) > n - 1):
+                raise ValueError("read_steps must lie in [-1, n-1]")
+            ig, logf = self._apply_mask(ig, logf, mask)
+            h, state = self._scan(state, kk, vv, ig, logf, qq, rs, query_block)
+        return state, self._head(h, u)
+
+    def extra_repr(self) -> str:
+        return (f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dk={self.dk}, dv={self.dv}, "
+                f"hidden={self.hidden}, input_norm={self.input_norm}, h_norm={self.h_norm}, "
+                f"forget_gate={self.forget_gate!r}")
