@@ -8,12 +8,24 @@ from transformers import DynamicCache
 
 from kvpop import KVpopCache
 from kvpop.config import EvictionConfig
-from kvpop.policies import POLICIES, get_policy
+from kvpop.policies import POLICIES, LearnedPolicy, get_policy
 from kvpop.reference import MaskedReference
+from kvpop.scorers import ScorerConfig, build_scorer
 from kvpop.testing import ARCHS, tiny_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 BASE_POLICIES = ["streaming", "tova", "h2o", "snapkv", "knorm", "random"]
+ALL_POLICIES = BASE_POLICIES + ["kvpop", "kvpop-mlp"]
+
+
+def _policy(name, model):
+    """A fresh policy instance; learned ones get a seeded random-init scorer for the tiny model."""
+    if name in ("kvpop", "kvpop-mlp"):
+        text = model.config
+        cfg = ScorerConfig(kind="mlstm" if name == "kvpop" else "mlp", num_layers=text.num_hidden_layers,
+                           kv_heads=text.num_key_value_heads, head_dim=text.head_dim, seed=7)
+        return LearnedPolicy(build_scorer(cfg))
+    return get_policy(name)
 
 
 def _unique_ids(n, vocab=128, seed=0):
@@ -51,12 +63,12 @@ def test_budget_at_least_length_is_dense(arch, policy):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", BASE_POLICIES)
+@pytest.mark.parametrize("policy", ALL_POLICIES)
 def test_physical_cache_equals_masked_reference(policy):
     model = tiny_model("llama", num_hidden_layers=2)
     ids = _unique_ids(120)
-    cache = KVpopCache(model.config, budget=20, window=6, sinks=2, policy=policy)
-    ref = MaskedReference(model, cache.eviction, get_policy(policy))
+    cache = KVpopCache(model.config, budget=20, window=6, sinks=2, policy=_policy(policy, model))
+    ref = MaskedReference(model, cache.eviction, _policy(policy, model))
     expected = ref.run(ids)
     got = _kvpop_logits(model, ids, cache, prefill=40)  # chunked prefill, then 80 decode steps
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
@@ -76,13 +88,13 @@ def test_physical_equals_reference_long_decode(arch):
     torch.testing.assert_close(_kvpop_logits(model, ids, cache, prefill=16), ref.run(ids), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("policy", BASE_POLICIES)
+@pytest.mark.parametrize("policy", ALL_POLICIES)
 @pytest.mark.parametrize("chunk", [3, 8])
 def test_chunked_prefill_equals_token_by_token(policy, chunk):
     model = tiny_model("qwen2")
     ids = _unique_ids(100)
-    a = KVpopCache(model.config, budget=22, window=8, sinks=2, policy=policy, prefill_chunk=chunk)
-    b = KVpopCache(model.config, budget=22, window=8, sinks=2, policy=policy)
+    a = KVpopCache(model.config, budget=22, window=8, sinks=2, policy=_policy(policy, model), prefill_chunk=chunk)
+    b = KVpopCache(model.config, budget=22, window=8, sinks=2, policy=_policy(policy, model))
     with torch.no_grad():
         la = model(ids, past_key_values=a).logits
         lb = torch.cat([model(ids[:, i : i + 1], past_key_values=b).logits for i in range(ids.shape[1])], 1)
@@ -123,7 +135,7 @@ def test_generate_drop_in_and_positions_follow_seen_tokens():
     assert small.layers[0].slot_index.max() == 68
 
 
-@pytest.mark.parametrize("policy", ["knorm", "h2o", "random"])
+@pytest.mark.parametrize("policy", ["knorm", "h2o", "random", "kvpop"])
 def test_left_padded_batch_equals_rows_alone(policy):
     model = tiny_model("llama")
     g = torch.Generator().manual_seed(3)
@@ -133,11 +145,11 @@ def test_left_padded_batch_equals_rows_alone(policy):
     batch = torch.cat([a, torch.cat([torch.full((1, 15), pad), b], 1)], 0)
     mask = torch.ones_like(batch)
     mask[1, :15] = 0
-    kw = {"budget": 14, "window": 4, "sinks": 2, "policy": policy}
-    cb = KVpopCache(model.config, **kw)
+    kw = {"budget": 14, "window": 4, "sinks": 2}
+    cb = KVpopCache(model.config, policy=_policy(policy, model), **kw)
     out = model.generate(batch, attention_mask=mask, past_key_values=cb, max_new_tokens=20, do_sample=False, pad_token_id=pad)
     for row, seq in ((0, a), (1, b)):
-        ca = KVpopCache(model.config, **kw)
+        ca = KVpopCache(model.config, policy=_policy(policy, model), **kw)
         alone = model.generate(seq, past_key_values=ca, max_new_tokens=20, do_sample=False, pad_token_id=pad)
         assert torch.equal(out[row, -20:], alone[0, -20:])
     # padding never occupies a slot

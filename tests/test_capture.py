@@ -50,6 +50,15 @@ def test_targets_against_eager_attention_probs(arch):
     with torch.no_grad():
         probs = eager(ids, output_attentions=True, use_cache=False).attentions
     caps = collect(tiny_model(arch, **KW), ids, window=w)
+    # capturing an eager model works too (its attention runs through SDPA meanwhile) and restores it
+    with torch.no_grad():
+        ref_logits = eager(ids, use_cache=False).logits
+        with capturing(eager, window=w) as st:
+            logits = eager(ids, use_cache=False).logits
+    assert eager.config._attn_implementation == "eager"
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    for c, ce in zip(caps, st.result()):
+        torch.testing.assert_close(c.target, ce.target, atol=1e-5, rtol=0)
     S = ids.shape[1]
     d = torch.arange(S)
     fut = (d[:, None] >= d[None, :] + w).float()

@@ -43,7 +43,7 @@ def _simulate_chunks(prio, sinks, window, k, chunk, method):
     window=st.integers(1, 6),
     k=st.integers(0, 6),
     n=st.integers(1, 60),
-    method=st.sampled_from(["pairwise", "sequential"]),
+    method=st.sampled_from(["pairwise", "sequential", "sorted"]),
 )
 def test_chunked_rule_matches_reference(data, sinks, window, k, n, method):
     # small integer priorities make ties frequent: the tie rule is part of what is tested
@@ -86,3 +86,20 @@ def test_ties_older_token_wins():
     states, _leave = reference_rule([0.0, 1.0, 1.0, 1.0], sinks=0, window=1, k=1)
     # 0 exits and is replaced by 1; 2 ties 1 and loses (the older token wins ties)
     assert states[-1] == {1, 3}
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), k=st.integers(0, 10), x=st.integers(1, 8), window=st.integers(1, 8))
+def test_chunk_methods_agree_on_batched_heads(data, k, x, window):
+    b, h = 2, 3
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 10_000)))
+    fill = data.draw(st.integers(0, k))
+    lr_idx = torch.full((b, h, k), -1, dtype=torch.long)
+    lr_idx[..., :fill] = torch.stack([torch.randperm(50, generator=g)[:fill] for _ in range(b * h)]).view(b, h, fill)
+    lr_prio = torch.randint(-2, 3, (b, h, k), generator=g).float().masked_fill(lr_idx < 0, float("-inf"))
+    ex = torch.arange(50, 50 + x).expand(b, h, x).clone()
+    ex[0, :, 0] = -1  # an absent exit
+    ex_prio = torch.randint(-2, 3, (b, h, x), generator=g).float()
+    results = [decide_chunk(lr_prio, lr_idx, ex_prio, ex, window, method=m) for m in ("pairwise", "sorted", "sequential")]
+    for other in results[1:]:
+        assert torch.equal(results[0][0], other[0]) and torch.equal(results[0][1], other[1])

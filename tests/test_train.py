@@ -20,7 +20,7 @@ from kvpop.train import TrainConfig, main, train
 def docs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("docs")
     rng = random.Random(0)
-    words = "the cat sat on a mat while dogs ran far away into green hills and old trees".split()
+    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "into", "green", "hills", "and", "old", "trees"]
     for i in range(30):
         (folder / f"d{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
     return folder
@@ -38,13 +38,13 @@ def test_training_runs_and_writes_checkpoint(tmp_path, docs, kind):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     summary = train(_cfg(tmp_path, docs, scorer=kind, steps=12, pool=4), model, tok)
     losses = [h["loss"] for h in summary["history"]]
-    assert len(losses) == 12 and all(map(lambda x: x == x, losses))
+    assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4  # it learns on a small pool
     header = read_header(tmp_path / "scorer.safetensors")
     assert header["config"]["kind"] == kind
     assert header["meta"]["trained_for"]["window"] == 8
     assert "validation" in summary and set(summary["validation"]) == {kind, "knorm", "random"}
-    scorer, meta = load_scorer(tmp_path / "scorer.safetensors", model=model)
+    _, meta = load_scorer(tmp_path / "scorer.safetensors", model=model)
     assert meta["steps"] == 12
 
 
@@ -111,7 +111,7 @@ def test_ddp_two_processes_keep_identical_weights(tmp_path, docs):
         "--check-sync", "--no-progress",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4

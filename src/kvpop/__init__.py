@@ -10,14 +10,14 @@ from .generate import GenerationResult, generate, make_cache
 from .models import SUPPORTED_MODEL_TYPES, ModelLoadError, kv_bytes_per_token, load_model, model_summary
 
 __all__ = [
+    "POLICIES",
+    "SUPPORTED_MODEL_TYPES",
     "EvictionConfig",
     "GenerationResult",
     "KVpopCache",
     "KVpopLayer",
     "ModelLoadError",
-    "POLICIES",
     "Policy",
-    "SUPPORTED_MODEL_TYPES",
     "generate",
     "get_policy",
     "kv_bytes_per_token",

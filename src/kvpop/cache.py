@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .attention import attach
 from .config import EvictionConfig
 from .policies import ExitBatch, Policy, get_policy
-from .rule import NEVER, decide_chunk
+from .rule import NEVER, decide_chunk, decide_one
 
 _PENDING = "_kvpop_layer"
 
@@ -35,6 +35,7 @@ class KVpopLayer(CacheLayerMixin):
         super().__init__()
         self.cfg, self.policy, self.layer_idx = cfg, policy, layer_idx
         self.seen = 0  # tokens fed to this layer, padding included (drives position ids)
+        self.fast_decode = True  # single-token steps update the buffers in place (False: always the chunk path)
 
     # --- transformers' CacheLayerMixin -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -119,6 +120,10 @@ class KVpopLayer(CacheLayerMixin):
         if valid is None:
             valid = torch.ones(b, c, dtype=torch.bool, device=query.device)
         _check_padding(valid, self.n_real)
+        if c == 1 and self.fast_decode and bool(valid.all()):
+            out = self._attend_decode(query, key_new, value_new, scaling)
+            self.seen += 1
+            return out.transpose(1, 2)
         outs = []
         step = self.cfg.chunk
         for start in range(0, c, step):
@@ -126,6 +131,79 @@ class KVpopLayer(CacheLayerMixin):
             outs.append(self._attend_chunk(query[:, :, sl], key_new[:, :, sl], value_new[:, :, sl], valid[:, sl], scaling))
         self.seen += c
         return torch.cat(outs, dim=2).transpose(1, 2)
+
+    def _attend_decode(self, q, k_new, v_new, scaling):
+        """One new token per row, all rows real: in-place update of the fixed buffers, attention over B slots.
+
+        Same decisions as :meth:`_attend_chunk` (the tests hold both to the masked reference),
+        without concatenating the chunk or building a ``[B + C]`` mask.
+        """
+        cfg = self.cfg
+        s, w, kk = cfg.sinks, cfg.window, cfg.k
+        b, hq, _, d = q.shape
+        h = k_new.shape[1]
+        g = hq // h
+        t = self.n_real  # [b] index of the new token
+        slot = torch.where(t < s, t, s + (t - s) % w)  # sink slot, or the ring slot it shares with the exiting token
+        has_exit = t >= s + w
+        ex_idx = torch.where(has_exit, t - w, -1)  # [b]
+        slot_h = slot.view(b, 1, 1).expand(b, h, 1)
+        ring_off = ((t - s) % w).clamp(min=0)
+
+        if self.policy.stateful or bool(has_exit.any()):
+            ex_k = self.keys.gather(2, slot_h.unsqueeze(-1).expand(b, h, 1, d))
+            ex_v = self.values.gather(2, slot_h.unsqueeze(-1).expand(b, h, 1, self.values.shape[-1]))
+            observed = None
+            if self.policy.needs_attention:
+                observed = self.observed.gather(2, ring_off.view(b, 1, 1).expand(b, h, 1))
+            batch = ExitBatch(self.layer_idx, ex_k, ex_v, ex_idx.view(b, 1), k_new, v_new, t.view(b, 1), observed)
+            prio = self.policy.score(batch).float().view(b, h)
+            if torch.isnan(prio).any():
+                raise RuntimeError(f"policy {self.policy.name} returned NaN scores at layer {self.layer_idx}")
+            prio = prio + cfg.lam * ex_idx.view(b, 1).float()
+            if kk > 0:
+                lr_idx = self.slot_index[:, :, s + w :]
+                ex_idx_h = ex_idx.view(b, 1).expand(b, h)
+                lr_slot, accept = decide_one(self.lr_prio, lr_idx, prio, ex_idx_h)
+                dst = (s + w + lr_slot).unsqueeze(-1)  # [b, h, 1]
+                # the winner moves from its ring slot into the long-range slot (rows without a winner rewrite the slot's own content)
+                src_k = torch.where(accept.view(b, h, 1, 1), ex_k, self.keys.gather(2, dst.unsqueeze(-1).expand(b, h, 1, d)))
+                src_v = torch.where(accept.view(b, h, 1, 1), ex_v, self.values.gather(2, dst.unsqueeze(-1).expand(b, h, 1, ex_v.shape[-1])))
+                self._k.scatter_(2, dst.unsqueeze(-1).expand(b, h, 1, d), src_k)
+                self._v.scatter_(2, dst.unsqueeze(-1).expand(b, h, 1, ex_v.shape[-1]), src_v)
+                old_idx = self.slot_index.gather(2, dst)
+                self.slot_index.scatter_(2, dst, torch.where(accept.unsqueeze(-1), ex_idx_h.unsqueeze(-1), old_idx))
+                old_prio = self.lr_prio.gather(2, lr_slot.unsqueeze(-1))
+                self.lr_prio.scatter_(2, lr_slot.unsqueeze(-1), torch.where(accept.unsqueeze(-1), prio.unsqueeze(-1), old_prio))
+
+        # the new token takes its slot (evicting the exiting token's copy in the ring)
+        self._k.scatter_(2, slot_h.unsqueeze(-1).expand(b, h, 1, d), k_new)
+        self._v.scatter_(2, slot_h.unsqueeze(-1).expand(b, h, 1, v_new.shape[-1]), v_new)
+        self.slot_index.scatter_(2, slot_h, t.view(b, 1, 1).expand(b, h, 1))
+        self.n_real = t + 1
+
+        qg = q.view(b, h, g, d)
+        full = bool((self.slot_index >= 0).all())
+        if self.policy.needs_attention:
+            logits = torch.einsum("bhgd,bhkd->bhgk", qg.float(), self.keys.float()) * scaling
+            kidx = self.slot_index.unsqueeze(2)  # [b, h, 1, n]
+            tq = t.view(b, 1, 1, 1)
+            filled = kidx >= 0
+            local = filled & ((kidx < s) | (kidx > tq - w))
+            p_local = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1)
+            obs = self.policy.obs_window or w
+            contrib = (p_local * ((tq - kidx) >= (w - obs))).mean(dim=2)  # [b, h, n]
+            ring_contrib = contrib[:, :, s : s + w]
+            # the slot of the new token restarts its statistic; the others accumulate
+            fresh = torch.zeros_like(self.observed).scatter_(2, ring_off.view(b, 1, 1).expand(b, h, 1), 1.0)
+            fresh = fresh * (t >= s).view(b, 1, 1)
+            self.observed = self.observed * (1 - fresh) + ring_contrib
+            probs = torch.softmax(logits.masked_fill(~filled, -math.inf), dim=-1)
+            out = torch.einsum("bhgk,bhkd->bhgd", probs.to(self.values.dtype), self.values)
+        else:
+            mask = None if full else (self.slot_index >= 0).unsqueeze(2)
+            out = torch.nn.functional.scaled_dot_product_attention(qg, self.keys, self.values, attn_mask=mask, scale=scaling)
+        return out.reshape(b, hq, 1, -1)
 
     def _attend_chunk(self, q, k_new, v_new, valid, scaling):
         cfg = self.cfg

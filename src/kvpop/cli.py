@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-EVICTION_POLICIES = ["dense", "streaming", "tova", "h2o", "snapkv", "knorm", "random"]
+EVICTION_POLICIES = ["dense", "streaming", "tova", "h2o", "snapkv", "knorm", "random", "kvpop", "kvpop-mlp"]
 
 
 def _human(n: float) -> str:
@@ -67,15 +67,20 @@ def cmd_info(args) -> int:
 def cmd_generate(args) -> int:
     from .generate import generate
     from .models import load_model
+    from .policies import get_policy
 
     t0 = time.perf_counter()
     model, tok = load_model(args.model, progress=True)
     print(f"[kvpop] model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     kwargs = {} if args.policy == "dense" else _budget_kwargs(args)
+    policy = args.policy
     if args.policy == "random":
-        kwargs["seed"] = args.seed
+        policy = get_policy("random", seed=args.seed)
+    elif args.policy in ("kvpop", "kvpop-mlp"):
+        # the shipped scorer for the embedded model, or --scorer PATH; refused if trained for another model
+        policy = get_policy(args.policy, path=args.scorer, model=model)
     t0 = time.perf_counter()
-    res = generate(model, tok, args.prompt, policy=args.policy, max_new_tokens=args.max_new_tokens, chat=args.chat, **kwargs)
+    res = generate(model, tok, args.prompt, policy=policy, max_new_tokens=args.max_new_tokens, chat=args.chat, **kwargs)
     dt = time.perf_counter() - t0
     print(res.text)
     where = f" {res.cache!r}" if res.cache is not None else ""
@@ -88,11 +93,21 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args, rest: list[str]) -> int:
-    if args.what == "targets":
-        from .bench.targets import main as bench_main
-    else:  # pragma: no cover - argparse restricts choices
-        raise SystemExit(f"unknown benchmark {args.what}")
-    return bench_main(rest) or 0
+    import importlib
+
+    return importlib.import_module(f"kvpop.bench.{args.what}").main(rest) or 0
+
+
+def cmd_train(rest: list[str]) -> int:
+    from .train import main as train_main
+
+    return train_main(rest)
+
+
+def cmd_eval(rest: list[str]) -> int:
+    from .evaluate.cli import main as eval_main
+
+    return eval_main(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,15 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--policy", choices=EVICTION_POLICIES, default="knorm")
     _add_budget(pg)
     pg.add_argument("--seed", type=int, default=0, help="seed of the random policy")
+    pg.add_argument("--scorer", default=None, help="scorer checkpoint for --policy kvpop/kvpop-mlp (default: the shipped one)")
     pg.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
     pb = sub.add_parser("bench", help="benchmarks (write JSON); options after the name go to the benchmark")
-    pb.add_argument("what", choices=["targets"])
+    pb.add_argument("what", choices=["targets", "generate", "overhead", "prefill"])
+    sub.add_parser("train", help="train a KVpop scorer (see `kvpop train --help`)", add_help=False)
+    sub.add_parser("eval", help="evaluate policies and budgets (see `kvpop eval --help`)", add_help=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("train", "eval"):
+        return cmd_train(argv[1:]) if argv[0] == "train" else cmd_eval(argv[1:])
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return cmd_bench(args, rest)

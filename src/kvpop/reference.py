@@ -75,27 +75,32 @@ class MaskedReference:
         p_local = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1).mean(1)  # [h, t+1]
         self.local_probs[layer].append(p_local)
         e = t - w
-        if e >= s:
+        if e >= s or self.policy.stateful:
             attention = None
-            if self.policy.needs_attention:
+            if self.policy.needs_attention and e >= s:
                 obs = self.policy.obs_window or w
                 rows = self.local_probs[layer][e + w - obs : e + w]
                 attention = torch.stack([r[:, e] for r in rows]).sum(0).view(1, h, 1)
+            src = max(e, 0)
             batch = ExitBatch(
                 layer_idx=layer,
-                keys=key[:, :, e : e + 1],
-                values=value[:, :, e : e + 1],
-                index=torch.tensor([[e]]),
+                keys=key[:, :, src : src + 1],
+                values=value[:, :, src : src + 1],
+                index=torch.tensor([[e if e >= s else -1]]),
                 new_keys=key[:, :, t : t + 1],
                 new_values=value[:, :, t : t + 1],
                 new_index=torch.tensor([[t]]),
                 attention=attention,
             )
             scores = self.policy.score(batch).float().view(h) + self.cfg.lam * e
+        if e >= s:
             for head in range(h):
                 lr = self.long_range[layer][head]
                 prio = self.prio[layer]
-                key_of = lambda i: (prio[(head, i)], -i)
+
+                def key_of(i, prio=prio, head=head):  # the rule's total order
+                    return (prio[(head, i)], -i)
+
                 prio[(head, e)] = scores[head].item()
                 if len(lr) < k:
                     lr.append(e)

@@ -15,6 +15,8 @@ absent candidate.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 NEVER = torch.iinfo(torch.int64).max  # "leave step" of a token that is still held
@@ -71,13 +73,15 @@ def decide_chunk(
     token that loses at once, its exit step). Empty/absent entries get ``-1``.
 
     ``method="pairwise"`` counts, for every candidate, when its ``k``-th better candidate
-    arrives (O(M^2) memory, M = k + X); ``"sequential"`` replays the exits one by one with
-    :func:`decide_one`. They agree exactly; ``"auto"`` picks by size.
+    arrives (O(M^2) memory, M = k + X); ``"sorted"`` gets the same count from one sort of the
+    candidates and an ``[M, X]`` comparison against the exits only; ``"sequential"`` replays
+    the exits one by one with :func:`decide_one`. All agree exactly; ``"auto"`` uses
+    ``"sorted"`` for chunks and ``"sequential"`` for a single exit.
     """
     if method == "auto":
-        m = lr_idx.shape[-1] + ex_idx.shape[-1]
-        small = lr_idx.shape[0] * lr_idx.shape[1] * m * m <= (1 << 22)
-        method = "pairwise" if small and ex_idx.shape[-1] > 1 else "sequential"
+        method = "sorted" if ex_idx.shape[-1] > 1 else "sequential"
+    if method == "sorted":
+        return _decide_chunk_sorted(lr_prio, lr_idx, ex_prio, ex_idx, window)
     if method == "pairwise":
         return _decide_chunk_pairwise(lr_prio, lr_idx, ex_prio, ex_idx, window)
     if method == "sequential":
@@ -105,6 +109,42 @@ def _decide_chunk_pairwise(lr_prio, lr_idx, ex_prio, ex_idx, window):
             kth = arrivals.kthvalue(k, dim=-2).values
         else:
             kth = torch.full_like(idx, NEVER)
+        leave = torch.maximum(kth, arrival)
+    leave = torch.where(valid, leave, torch.full_like(leave, -1))
+    return leave[..., :k], leave[..., k:]
+
+
+def _decide_chunk_sorted(lr_prio, lr_idx, ex_prio, ex_idx, window):
+    k = lr_idx.shape[-1]
+    prio = torch.cat([lr_prio, ex_prio], -1).float()
+    idx = torch.cat([lr_idx, ex_idx], -1)
+    valid = idx >= 0
+    is_exit = torch.zeros_like(valid)
+    is_exit[..., k:] = True
+    arrival = torch.where(is_exit, idx + window, torch.full_like(idx, -1))
+    if k == 0:
+        leave = arrival
+    else:
+        # total order, worst first: invalid entries, then priority ascending, equal priorities newest first
+        key_prio = torch.where(valid, prio, torch.full_like(prio, -math.inf))
+        order = torch.sort(idx, dim=-1, descending=True, stable=True).indices
+        order = order.gather(-1, torch.sort(key_prio.gather(-1, order), dim=-1, stable=True).indices)
+        order = order.gather(-1, torch.sort(valid.gather(-1, order).to(torch.int8), dim=-1, stable=True).indices)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=idx.device).expand_as(order))
+        # held candidates ranked above each candidate: suffix counts in sorted order
+        old_sorted = (~is_exit & valid).gather(-1, order).long()
+        above_sorted = old_sorted.flip(-1).cumsum(-1).flip(-1) - old_sorted
+        old_above = torch.empty_like(above_sorted).scatter_(-1, order, above_sorted)
+        # exits ranked above each candidate, counted in arrival (= exit) order
+        ex_rank = rank[..., k:]
+        beats = (ex_rank.unsqueeze(-2) > rank.unsqueeze(-1)) & valid[..., k:].unsqueeze(-2)  # [b, h, M, X]
+        arrived = beats.long().cumsum(-1)
+        need = (k - old_above).clamp(min=0)
+        reached = arrived >= need.unsqueeze(-1)
+        first = reached.to(torch.int8).argmax(-1)  # first exit step at which k better candidates are held
+        kth = arrival[..., k:].gather(-1, first)
+        kth = torch.where(reached.any(-1), kth, torch.full_like(kth, NEVER))
+        kth = torch.where(need == 0, torch.full_like(kth, -1), kth)
         leave = torch.maximum(kth, arrival)
     leave = torch.where(valid, leave, torch.full_like(leave, -1))
     return leave[..., :k], leave[..., k:]

@@ -46,6 +46,7 @@ class Policy:
     needs_attention: bool = False
     obs_window: int | None = None  # None: every query that had the token in its window
     uses_long_range: bool = True
+    stateful: bool = False  # True: must see every chunk (also those without exits) to advance its state
 
     def setup(self, num_layers: int, num_kv_heads: int, head_dim: int, window: int) -> None:
         """Called once by the cache before the first token; policies size their state here."""

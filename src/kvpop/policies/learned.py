@@ -21,6 +21,7 @@ class LearnedPolicy(Policy):
         self.scorer = scorer.eval()
         self.name = name or ("kvpop" if scorer.config.kind == "mlstm" else "kvpop-mlp")
         self.states: list | None = None
+        self.stateful = bool(scorer.is_stateful)
 
     def setup(self, num_layers: int, num_kv_heads: int, head_dim: int, window: int) -> None:
         super().setup(num_layers, num_kv_heads, head_dim, window)
