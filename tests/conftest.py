@@ -1,6 +1,7 @@
 """Shared pytest setup for kvpop.
 
 - Forces offline Hugging Face access for the whole test session (nothing may download).
+- One torch thread (``KVPOP_TEST_THREADS`` overrides).
 - Fixture ``kvpop_cache``: points ``KVPOP_CACHE_DIR`` at a fresh temp dir and returns it
   (use it in any test that converts a GGUF, so the user's cache is never touched).
 """
@@ -8,9 +9,12 @@
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Tests run tiny tensors: one intra-op thread avoids OpenMP spin overhead (and contention on shared CI cores).
+torch.set_num_threads(int(os.environ.get("KVPOP_TEST_THREADS", "1")))
 
 
 @pytest.fixture

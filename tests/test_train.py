@@ -27,8 +27,8 @@ def docs(tmp_path_factory):
 
 
 def _cfg(out, docs, **kw):
-    base = dict(out=str(out), docs_from=str(docs), seq_len=64, budget=24, window=8, sinks=2, steps=6,
-                eval_every=3, ckpt_every=2, val_sequences=1, progress=False, lr=1e-2)
+    base = {"out": str(out), "docs_from": str(docs), "seq_len": 64, "budget": 24, "window": 8, "sinks": 2, "steps": 6,
+                "eval_every": 3, "ckpt_every": 2, "val_sequences": 1, "progress": False, "lr": 1e-2}
     base.update(kw)
     return TrainConfig(**base)
 

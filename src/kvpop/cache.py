@@ -14,6 +14,7 @@ be decided at once with a per-query visibility mask equal to the token-by-token 
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -36,6 +37,7 @@ class KVpopLayer(CacheLayerMixin):
         self.cfg, self.policy, self.layer_idx = cfg, policy, layer_idx
         self.seen = 0  # tokens fed to this layer, padding included (drives position ids)
         self.fast_decode = True  # single-token steps update the buffers in place (False: always the chunk path)
+        self.timer: dict[str, float] | None = None  # set to {} to accumulate decode seconds per phase (benchmarks)
 
     # --- transformers' CacheLayerMixin -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -143,6 +145,8 @@ class KVpopLayer(CacheLayerMixin):
         b, hq, _, d = q.shape
         h = k_new.shape[1]
         g = hq // h
+        timer = self.timer
+        t0 = time.perf_counter() if timer is not None else 0.0
         t = self.n_real  # [b] index of the new token
         slot = torch.where(t < s, t, s + (t - s) % w)  # sink slot, or the ring slot it shares with the exiting token
         has_exit = t >= s + w
@@ -158,6 +162,8 @@ class KVpopLayer(CacheLayerMixin):
                 observed = self.observed.gather(2, ring_off.view(b, 1, 1).expand(b, h, 1))
             batch = ExitBatch(self.layer_idx, ex_k, ex_v, ex_idx.view(b, 1), k_new, v_new, t.view(b, 1), observed)
             prio = self.policy.score(batch).float().view(b, h)
+            if timer is not None:
+                t0 = _tick(timer, "score", t0)
             if torch.isnan(prio).any():
                 raise RuntimeError(f"policy {self.policy.name} returned NaN scores at layer {self.layer_idx}")
             prio = prio + cfg.lam * ex_idx.view(b, 1).float()
@@ -181,6 +187,8 @@ class KVpopLayer(CacheLayerMixin):
         self._v.scatter_(2, slot_h.unsqueeze(-1).expand(b, h, 1, v_new.shape[-1]), v_new)
         self.slot_index.scatter_(2, slot_h, t.view(b, 1, 1).expand(b, h, 1))
         self.n_real = t + 1
+        if timer is not None:
+            t0 = _tick(timer, "evict", t0)
 
         qg = q.view(b, h, g, d)
         full = bool((self.slot_index >= 0).all())
@@ -203,6 +211,8 @@ class KVpopLayer(CacheLayerMixin):
         else:
             mask = None if full else (self.slot_index >= 0).unsqueeze(2)
             out = torch.nn.functional.scaled_dot_product_attention(qg, self.keys, self.values, attn_mask=mask, scale=scaling)
+        if timer is not None:
+            _tick(timer, "attend", t0)
         return out.reshape(b, hq, 1, -1)
 
     def _attend_chunk(self, q, k_new, v_new, valid, scaling):
@@ -336,6 +346,12 @@ class KVpopLayer(CacheLayerMixin):
     def held_indices(self) -> torch.Tensor:
         """Logical indices held per (row, head, slot); -1 = empty."""
         return self.slot_index.clone()
+
+
+def _tick(timer: dict[str, float], phase: str, t0: float) -> float:
+    now = time.perf_counter()
+    timer[phase] = timer.get(phase, 0.0) + now - t0
+    return now
 
 
 def _check_padding(valid: torch.Tensor, n_real: torch.Tensor) -> None:

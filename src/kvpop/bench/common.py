@@ -1,0 +1,74 @@
+"""Shared pieces of the benchmarks: policy specs, text to feed, memory readings, JSON/PNG output."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+from pathlib import Path
+
+import torch
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def parse_policy(spec: str) -> tuple[str, int | None]:
+    """``"dense"`` or ``"name@B"`` (e.g. ``kvpop-mlp@512``)."""
+    if spec == "dense":
+        return "dense", None
+    if "@" not in spec:
+        raise ValueError(f"policy spec must be 'dense' or 'name@budget', got {spec!r}")
+    name, b = spec.split("@", 1)
+    return name, int(b)
+
+
+def make_cache(model, spec: str):
+    from transformers import DynamicCache
+
+    from .. import KVpopCache, get_policy
+
+    name, budget = parse_policy(spec)
+    if name == "dense":
+        return DynamicCache(config=model.config)
+    kwargs = {"model": model} if name in ("kvpop", "kvpop-mlp") else {}
+    return KVpopCache(model.config, budget=budget, policy=get_policy(name, **kwargs))
+
+
+def kv_bytes(cache) -> int:
+    if hasattr(cache, "kv_bytes"):
+        return cache.kv_bytes()
+    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers if layer.keys is not None)
+
+
+def text_ids(tokenizer, n: int) -> torch.Tensor:
+    """``n`` token ids of real text (Python docs, else the CPython stdlib), ``[1, n]``."""
+    from .. import data
+
+    for corpus in ("python_docs", "python_code", "shakespeare"):
+        try:
+            docs = data.long_documents(tokenizer, corpus, n, split="test", max_docs=1, concat=True)
+        except (FileNotFoundError, ValueError):
+            continue
+        if docs:
+            return docs[0].view(1, -1)
+    raise RuntimeError(f"no corpus has a {n}-token test document; install the data packages (scripts/setup.sh)")
+
+
+def write_json(obj: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2))
+    return path

@@ -1,0 +1,153 @@
+"""``kvpop bench generate``: decode latency, KV bytes and process memory as the context grows.
+
+Each policy runs in its own subprocess (so its peak RSS is its own) and feeds one real text
+(teacher forcing: the same tokens for every policy). At each checkpoint length L it records
+the median latency of ``--decode-steps`` single-token steps, the KV bytes held, and the
+process's current and peak RSS. ``--mode step`` feeds every token one at a time (a true long
+generation, slow on CPU); ``--mode prefill`` (default) reaches each L by chunked prefill and
+then times the decode steps there.
+
+    kvpop bench generate --lengths 1024,2048,4096,8192 --out results/bench_generate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .common import kv_bytes, make_cache, median, peak_rss_bytes, rss_bytes, text_ids, write_json
+
+DEFAULT_POLICIES = "dense,streaming@512,kvpop-mlp@512,kvpop-mlp@1024"
+
+
+@torch.no_grad()
+def run_one(spec: str, lengths: list[int], decode_steps: int, mode: str, model_path: str | None, threads: int | None) -> dict:
+    from .. import load_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    model, tok = load_model(model_path, progress=False)
+    total = max(lengths) + decode_steps * len(lengths) + 1
+    ids = text_ids(tok, total)
+    cache = make_cache(model, spec)
+    pos = 0
+    rows = []
+    base_rss = rss_bytes()
+    for length in lengths:
+        if mode == "prefill":
+            if length > pos:
+                model(ids[:, pos:length], past_key_values=cache)
+                pos = length
+        else:
+            while pos < length:
+                model(ids[:, pos : pos + 1], past_key_values=cache)
+                pos += 1
+        lat = []
+        for _ in range(decode_steps):
+            t0 = time.perf_counter()
+            model(ids[:, pos : pos + 1], past_key_values=cache)
+            lat.append(time.perf_counter() - t0)
+            pos += 1
+        rows.append({
+            "length": length,
+            "decode_ms_median": 1000 * median(lat),
+            "kv_bytes": kv_bytes(cache),
+            "rss_bytes": rss_bytes(),
+            "peak_rss_bytes": peak_rss_bytes(),
+            "rss_over_start_bytes": rss_bytes() - base_rss,
+        })
+        print(json.dumps({"policy": spec, **rows[-1]}), file=sys.stderr)
+    return {"policy": spec, "rows": rows}
+
+
+def plot(results: dict, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for r in results["runs"]:
+        xs = [row["length"] for row in r["rows"]]
+        axes[0].plot(xs, [row["decode_ms_median"] for row in r["rows"]], marker="o", label=r["policy"])
+        axes[1].plot(xs, [row["kv_bytes"] / 2**20 for row in r["rows"]], marker="o", label=r["policy"])
+        axes[2].plot(xs, [row["peak_rss_bytes"] / 2**20 for row in r["rows"]], marker="o", label=r["policy"])
+    for ax, title in zip(axes, ("decode step (ms, median)", "KV cache held (MiB)", "process peak RSS (MiB)")):
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(title)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"kvpop bench generate ({results['model']}, mode={results['mode']})")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvpop bench generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma list: dense or name@budget")
+    p.add_argument("--lengths", default="1024,2048,4096,8192")
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--mode", choices=["prefill", "step"], default="prefill")
+    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="results/bench_generate")
+    p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args._worker:
+        print(json.dumps(run_one(args._worker, lengths, args.decode_steps, args.mode, args.model, args.threads)))
+        return 0
+    from .. import load_model
+
+    model, _ = load_model(args.model, progress=True)  # validates the model and converts it once, up front
+    limit = model.config.max_position_embeddings
+    need = max(lengths) + args.decode_steps * len(lengths) + 1
+    if need > limit:
+        raise SystemExit(f"lengths need {need} positions but the model has max_position_embeddings={limit}")
+    del model
+    runs = []
+    t0 = time.perf_counter()
+    for spec in args.policies.split(","):
+        cmd = [sys.executable, "-m", "kvpop.bench.generate", "--_worker", spec, "--lengths", args.lengths,
+               "--decode-steps", str(args.decode_steps), "--mode", args.mode]
+        if args.model:
+            cmd += ["--model", args.model]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise SystemExit(f"{spec} failed:\n{res.stderr[-2000:]}")
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    dense = next((r for r in runs if r["policy"] == "dense"), None)
+    table = []
+    for r in runs:
+        for row, drow in zip(r["rows"], dense["rows"] if dense else r["rows"]):
+            table.append({
+                "policy": r["policy"], "length": row["length"],
+                "latency_ratio_vs_dense": row["decode_ms_median"] / drow["decode_ms_median"],
+                "kv_ratio_vs_dense": row["kv_bytes"] / drow["kv_bytes"],
+                "peak_rss_ratio_vs_dense": row["peak_rss_bytes"] / drow["peak_rss_bytes"],
+            })
+    results = {"model": args.model or "SmolLM2-135M-Instruct", "mode": args.mode, "decode_steps": args.decode_steps,
+               "threads": args.threads or torch.get_num_threads(), "runs": runs, "ratios": table,
+               "wall_seconds": time.perf_counter() - t0}
+    out = Path(args.out)
+    write_json(results, out.with_suffix(".json"))
+    plot(results, out.with_suffix(".png"))
+    for row in table:
+        print(f"{row['policy']:>16} L={row['length']:>5}  latency x{row['latency_ratio_vs_dense']:.2f}  "
+              f"KV x{row['kv_ratio_vs_dense']:.3f}  peak RSS x{row['peak_rss_ratio_vs_dense']:.2f}")
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,341 @@
+"""Building blocks of the evaluation: budgets, policies by name, teacher-forced metrics.
+
+Teacher-forced evaluation under a policy is ONE forward of the whole document through a fresh
+:class:`kvpop.KVpopCache` (the chunked prefill equals token-by-token feeding). To keep memory
+at ``O(S * hidden)`` instead of ``O(S * vocab)``, the decoder's hidden states are kept and the
+LM head is applied a chunk of positions at a time when the metrics are computed; the dense
+run's hidden states are what :class:`DenseCache` stores per document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..cache import KVpopCache
+from ..policies import POLICIES
+
+DENSE = "dense"
+ORACLE = "oracle"
+ALL_POLICIES = (
+    "dense",
+    "streaming",
+    "tova",
+    "h2o",
+    "snapkv",
+    "knorm",
+    "random",
+    "oracle",
+    "kvpop-mlp",
+    "kvpop",
+)
+
+
+class PolicyUnavailable(RuntimeError):
+    """A policy is not registered / cannot be built here; the harness records it as skipped."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Per-head budget ``B`` with its sinks and protected window (``window`` defaults to B // 8)."""
+
+    budget: int
+    window: int
+    sinks: int = 4
+    compression: float | None = None  # what it stands for, against ``reference_length``
+    reference_length: int | None = None
+
+    @classmethod
+    def from_compression(cls, compression: float, reference_length: int, sinks: int = 4) -> Budget:
+        if not 0.0 <= compression < 1.0:
+            raise ValueError(f"compression must be in [0, 1), got {compression}")
+        b = round((1.0 - compression) * reference_length)
+        return cls.of(b, sinks=sinks, compression=compression, reference_length=reference_length)
+
+    @classmethod
+    def of(cls, budget: int, window: int | None = None, sinks: int = 4, **kw) -> Budget:
+        window = max(1, budget // 8) if window is None else window
+        if budget < sinks + window:
+            raise ValueError(f"budget {budget} is smaller than sinks {sinks} + window {window}")
+        return cls(budget=budget, window=window, sinks=sinks, **kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def policy_available(name: str) -> str | None:
+    """``None`` when ``name`` can be evaluated here, else the reason it cannot."""
+    if name == DENSE:
+        return None
+    if name == ORACLE:
+        try:
+            from ..capture import collect  # noqa: F401
+            from ..policies.oracle import OraclePolicy  # noqa: F401
+        except ImportError as exc:
+            return f"oracle needs kvpop.capture.collect and kvpop.policies.oracle.OraclePolicy ({exc})"
+        return None
+    if name not in POLICIES:
+        return f"policy {name!r} is not registered (known: {', '.join(sorted(POLICIES))})"
+    return None
+
+
+@torch.no_grad()
+def oracle_targets(model, input_ids: Tensor, window: int) -> list[Tensor]:
+    """Per-layer log future-attention targets ``[1, kv_heads, S]`` of ``input_ids`` (1-D or [1, S])."""
+    from ..capture import collect
+
+    ids = input_ids.view(1, -1).to(model.device)
+    return [c.target for c in collect(model, ids, window=window)]
+
+
+def make_policy(name: str, model, input_ids: Tensor | None, budget_cfg: Budget):
+    """A policy name or instance for :class:`KVpopCache` (``None`` for dense).
+
+    ``"oracle"`` computes the true targets of ``input_ids`` (the whole sequence the cache will
+    see, e.g. prompt + dense continuation) with ``kvpop.capture.collect`` and builds an
+    ``OraclePolicy``. Raises :class:`PolicyUnavailable` for anything not available.
+    """
+    reason = policy_available(name)
+    if reason is not None:
+        raise PolicyUnavailable(reason)
+    if name == DENSE:
+        return None
+    if name == ORACLE:
+        from ..policies.oracle import OraclePolicy
+
+        if input_ids is None:
+            raise PolicyUnavailable("oracle needs the whole sequence in advance")
+        return OraclePolicy(oracle_targets(model, input_ids, budget_cfg.window))
+    return name
+
+
+LEARNED = ("kvpop", "kvpop-mlp")
+
+
+def make_cache(
+    model, name: str, input_ids: Tensor | None, budget_cfg: Budget, **policy_kwargs
+) -> KVpopCache | None:
+    """A fresh cache for policy ``name`` (None for dense); ``policy_kwargs`` go to the policy factory
+    (e.g. ``path=`` a scorer checkpoint for ``kvpop`` / ``kvpop-mlp``)."""
+    policy = make_policy(name, model, input_ids, budget_cfg)
+    if policy is None:
+        return None
+    if name in LEARNED and policy_kwargs.get("path") is not None:
+        policy_kwargs.setdefault("model", model)
+    try:
+        return KVpopCache(
+            model.config,
+            budget=budget_cfg.budget,
+            window=budget_cfg.window,
+            sinks=budget_cfg.sinks,
+            policy=policy,
+            **policy_kwargs,
+        )
+    except (
+        TypeError,
+        ValueError,
+        KeyError,
+        OSError,
+        RuntimeError,
+    ) as exc:  # e.g. a learned scorer missing/for another model
+        raise PolicyUnavailable(f"cannot build policy {name!r}: {exc}") from exc
+
+
+# ------------------------------------------------------------------------------ forward passes
+
+
+def _decoder_and_head(model):
+    get_dec = getattr(model, "get_decoder", None)
+    dec = get_dec() if get_dec is not None else None
+    head = model.get_output_embeddings()
+    if dec is None or head is None:
+        return None, None
+    return dec, head
+
+
+@torch.no_grad()
+def hidden_states(model, input_ids: Tensor, cache=None) -> Tensor:
+    """Final hidden states ``[S, hidden]`` of one document (1-D ids), in one forward."""
+    ids = input_ids.view(1, -1).to(model.device)
+    dec, _ = _decoder_and_head(model)
+    if dec is None:
+        raise RuntimeError("model has no get_decoder()/get_output_embeddings(); cannot evaluate")
+    out = dec(input_ids=ids, cache=cache, use_cache=cache is not None)
+    return out.last_hidden_state[0]
+
+
+def logits_of(model, hidden: Tensor) -> Tensor:
+    _, head = _decoder_and_head(model)
+    return head(hidden).float()
+
+
+def doc_key(input_ids: Tensor) -> str:
+    ids = input_ids.detach().to("cpu", torch.long).contiguous().view(-1)
+    return hashlib.sha1(ids.numpy().tobytes()).hexdigest()
+
+
+class DenseCache:
+    """Dense results per document, shared by all policies and budgets.
+
+    Hidden states of a prefix of a stored document are a slice of the stored ones (causal
+    model), so a continuation / agreement prompt cut from an LM document costs no new forward.
+    Dense greedy generations are kept too (:meth:`generation`).
+    """
+
+    def __init__(self) -> None:
+        self._store: dict[str, tuple[Tensor, Tensor, float]] = {}  # key -> (ids, hidden, wall)
+        self._gen: dict[tuple, Tensor] = {}
+        self.wall_s = 0.0
+
+    def get(self, model, input_ids: Tensor) -> tuple[Tensor, float]:
+        """``(hidden [S, H], wall seconds of the dense forward)``."""
+        ids = input_ids.view(-1).cpu()
+        key = doc_key(ids)
+        if key in self._store:
+            return self._store[key][1], self._store[key][2]
+        for full, h, wall in self._store.values():
+            if full.numel() >= ids.numel() and torch.equal(full[: ids.numel()], ids):
+                return h[: ids.numel()], 0.0
+        import time
+
+        t0 = time.perf_counter()
+        h = hidden_states(model, ids, None)
+        wall = time.perf_counter() - t0
+        self.wall_s += wall
+        self._store[key] = (ids, h, wall)
+        return h, wall
+
+    def generation(self, key: tuple, make) -> Tensor:
+        if key not in self._gen:
+            import time
+
+            t0 = time.perf_counter()
+            self._gen[key] = make()
+            self.wall_s += time.perf_counter() - t0
+        return self._gen[key]
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+@dataclass
+class Sums:
+    """Additive statistics over scored positions (so documents pool exactly)."""
+
+    n: int = 0
+    nll_dense: float = 0.0
+    nll_policy: float = 0.0
+    kl: float = 0.0
+    top1: float = 0.0
+
+    def add(self, other: Sums) -> Sums:
+        return Sums(
+            self.n + other.n,
+            self.nll_dense + other.nll_dense,
+            self.nll_policy + other.nll_policy,
+            self.kl + other.kl,
+            self.top1 + other.top1,
+        )
+
+    def metrics(self) -> dict:
+        """nll (per token), ppl, retention = ppl_dense / ppl_policy, mean KL(dense||policy), top-1 agreement."""
+        if self.n == 0:
+            nan = float("nan")
+            return {"n_tokens": 0, "nll_dense": nan, "nll_policy": nan, "ppl_dense": nan, "ppl_policy": nan,
+                    "retention": nan, "kl": nan, "top1_agreement": nan}  # fmt: skip
+        nd, npol = self.nll_dense / self.n, self.nll_policy / self.n
+        return {
+            "n_tokens": self.n,
+            "nll_dense": nd,
+            "nll_policy": npol,
+            "ppl_dense": math.exp(nd),
+            "ppl_policy": math.exp(npol),
+            "retention": math.exp(nd - npol),
+            "kl": self.kl / self.n,
+            "top1_agreement": self.top1 / self.n,
+        }
+
+
+def sums_from_logits(dense_logits: Tensor, policy_logits: Tensor, targets: Tensor) -> Sums:
+    """Sums over positions: ``*_logits [n, V]`` predict ``targets [n]``."""
+    ld = F.log_softmax(dense_logits.double(), -1)
+    lp = ld if policy_logits is dense_logits else F.log_softmax(policy_logits.double(), -1)
+    t = targets.view(-1, 1).to(ld.device)
+    kl = (ld.exp() * (ld - lp)).sum(-1)
+    return Sums(
+        n=int(t.shape[0]),
+        nll_dense=float(-ld.gather(1, t).sum()),
+        nll_policy=float(-lp.gather(1, t).sum()),
+        kl=float(kl.sum()),
+        top1=float((dense_logits.argmax(-1) == policy_logits.argmax(-1)).double().sum()),
+    )
+
+
+def score_range(seq_len: int, score_from: int) -> tuple[int, int]:
+    """Positions ``[lo, hi)`` whose logits are scored (position p predicts token p + 1)."""
+    return max(0, score_from), seq_len - 1
+
+
+@torch.no_grad()
+def sums_from_hidden(
+    model, dense_hidden: Tensor, policy_hidden: Tensor, input_ids: Tensor, score_from: int, chunk: int = 256
+) -> Sums:
+    lo, hi = score_range(input_ids.numel(), score_from)
+    ids = input_ids.view(-1)
+    total = Sums()
+    for a in range(lo, hi, chunk):
+        b = min(hi, a + chunk)
+        dl = logits_of(model, dense_hidden[a:b])
+        pl = dl if policy_hidden is dense_hidden else logits_of(model, policy_hidden[a:b])
+        total = total.add(sums_from_logits(dl, pl, ids[a + 1 : b + 1]))
+    return total
+
+
+@torch.no_grad()
+def teacher_forced(
+    model,
+    input_ids: Tensor,
+    policy: str,
+    budget: Budget,
+    *,
+    score_from: int | None = None,
+    dense: DenseCache | None = None,
+    policy_kwargs: dict | None = None,
+) -> dict:
+    """Teacher-forced metrics of one document (1-D ids) under ``policy`` at ``budget``.
+
+    Scored positions are ``p >= score_from`` (default ``budget.budget``: the first position at
+    which the cache has had to evict); when that leaves nothing to score (budget >= length), every
+    position is scored, and the policy equals dense there. Returns the metrics dict of
+    :meth:`Sums.metrics` plus ``scored_from`` and the policy's ``wall_s``.
+    """
+    import time
+
+    input_ids = input_ids.view(-1).cpu()
+    S = input_ids.numel()
+    if S < 2:
+        raise ValueError("a document needs at least 2 tokens")
+    start = budget.budget if score_from is None else score_from
+    if start >= S - 1:
+        start = 0
+    dense = dense if dense is not None else DenseCache()
+    dh, _ = dense.get(model, input_ids)
+    t0 = time.perf_counter()
+    if policy == DENSE:
+        ph = dh
+    else:
+        cache = make_cache(model, policy, input_ids, budget, **(policy_kwargs or {}))
+        ph = hidden_states(model, input_ids, cache)
+    sums = sums_from_hidden(model, dh, ph, input_ids, start)
+    out = sums.metrics()
+    out.update(scored_from=start, wall_s=time.perf_counter() - t0)
+    out["_sums"] = sums
+    return out

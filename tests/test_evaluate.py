@@ -1,0 +1,220 @@
+"""kvpop.evaluate: metric math, one-forward parity with token-by-token, harness, plots, CLI (tiny models)."""
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+from kvpop import KVpopCache
+from kvpop.evaluate import (
+    Budget,
+    DenseCache,
+    EvalConfig,
+    Sums,
+    make_policy,
+    policy_available,
+    run_eval,
+    sums_from_logits,
+    teacher_forced,
+)
+from kvpop.evaluate.cli import main
+from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+    "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow. "
+)
+
+
+def _ids(n, vocab=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(vocab, generator=g)[:n]
+
+
+def test_metrics_math():
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([1, 2, 3, 4, 5])
+    m = sums_from_logits(logits, logits.clone(), targets).metrics()
+    assert (
+        m["n_tokens"] == 5
+        and m["retention"] == pytest.approx(1.0)
+        and m["kl"] == pytest.approx(0.0, abs=1e-12)
+    )
+    assert m["top1_agreement"] == 1.0
+    nll = -torch.log_softmax(logits.double(), -1)[torch.arange(5), targets].mean().item()
+    assert m["nll_dense"] == pytest.approx(nll) and m["ppl_dense"] == pytest.approx(math.exp(nll))
+    # uniform policy: KL = log V - H(dense), retention = ppl_dense / V
+    m = sums_from_logits(logits, torch.zeros(5, 11), targets).metrics()
+    p = torch.softmax(logits.double(), -1)
+    kl = (p * (p.log() - math.log(1 / 11))).sum(-1).mean().item()
+    assert m["kl"] == pytest.approx(kl) and m["retention"] == pytest.approx(math.exp(nll) / 11)
+    # pooling is exact
+    a, b = (
+        sums_from_logits(logits[:2], logits[:2] * 0.5, targets[:2]),
+        sums_from_logits(logits[2:], logits[2:] * 0.5, targets[2:]),
+    )
+    whole = sums_from_logits(logits, logits * 0.5, targets).metrics()
+    for k, v in a.add(b).metrics().items():
+        assert v == pytest.approx(whole[k])
+    assert math.isnan(Sums().metrics()["retention"])
+
+
+@pytest.mark.parametrize("policy", ["knorm", "h2o"])
+def test_budget_at_least_length_is_dense(policy):
+    model = tiny_model("llama")
+    ids = _ids(40)
+    m = teacher_forced(model, ids, policy, Budget.of(48, window=8, sinks=2))
+    assert m["scored_from"] == 0 and m["n_tokens"] == 39
+    assert m["retention"] == pytest.approx(1.0, abs=1e-5)
+    assert m["kl"] == pytest.approx(0.0, abs=1e-6) and m["top1_agreement"] == 1.0
+
+
+def _policies_for_parity():
+    names = ["streaming", "knorm", "h2o", "tova"]
+    if policy_available("oracle") is None:
+        names.append("oracle")
+    return names
+
+
+@pytest.mark.parametrize("policy", _policies_for_parity())
+def test_one_forward_equals_token_by_token(policy):
+    model = tiny_model("llama")
+    ids = _ids(70, seed=1)
+    budget = Budget.of(24, window=6, sinks=2)
+    dense = DenseCache()
+    got = teacher_forced(model, ids, policy, budget, dense=dense)
+    assert got["scored_from"] == 24 and got["n_tokens"] == 70 - 1 - 24
+    # reference: dense logits with no cache, policy logits by feeding the physical cache token by token
+    with torch.no_grad():
+        dl = model(ids.view(1, -1)).logits[0]
+        cache = KVpopCache(
+            model.config, budget=24, window=6, sinks=2, policy=make_policy(policy, model, ids, budget)
+        )
+        pl = torch.cat([model(ids.view(1, -1)[:, i : i + 1], cache=cache).logits[0] for i in range(70)])
+    ref = sums_from_logits(dl[24:69], pl[24:69], ids[25:70]).metrics()
+    assert ref["retention"] != pytest.approx(1.0, abs=1e-6)  # eviction changed something
+    for k in ("nll_dense", "nll_policy", "retention", "kl", "top1_agreement"):
+        assert got[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-5), k
+
+
+def test_unregistered_policy_is_reported():
+    assert "not registered" in policy_available("no-such-policy")
+
+
+def _small_cfg(**kw):
+    base = {
+        "tasks": ("lm", "continuation", "agreement", "needle"),
+        "policies": ("dense", "knorm", "streaming", "no-such-policy"),
+        "compressions": (0.5, 0.75),
+        "reference_length": 64,
+        "docs": 1,
+        "doc_tokens": 64,
+        "agreement_tokens": 6,
+        "needle_lengths": (220,),
+        "needle_depths": (0.5,),
+    }
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+def test_run_eval_schema_and_plots(tmp_path):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    docs = {"mine": [_ids(64, seed=2), _ids(64, seed=3)]}
+    res = run_eval(model, tok, _small_cfg(), documents=docs, filler=TEXT * 20, out=tmp_path, progress=False)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["schema_version"] == 1 and data["policies"] == ["dense", "knorm", "streaming"]
+    assert "no-such-policy" in data["skipped_policies"]
+    recs = data["records"]
+    for r in recs:
+        assert {
+            "task",
+            "policy",
+            "domain",
+            "budget",
+            "window",
+            "sinks",
+            "compression",
+            "metrics",
+            "wall_s",
+        } <= set(r)
+    lm = [r for r in recs if r["task"] == "lm"]
+    assert {(r["policy"], r["budget"]) for r in lm} == {
+        (p, b) for p in ("dense", "knorm", "streaming") for b in (32, 16)
+    }
+    for r in lm:
+        assert r["domain"] == "user" and r["n_items"] == 2
+        assert set(r["metrics"]) >= {"retention", "kl", "top1_agreement", "nll_policy", "ppl_dense"}
+        if r["policy"] == "dense":
+            assert r["metrics"]["retention"] == pytest.approx(1.0) and r["metrics"]["kl"] == pytest.approx(
+                0.0
+            )
+        assert r["metrics"]["n_tokens"] == 2 * (63 - r["budget"])
+    cont = [r for r in recs if r["task"] == "continuation"]
+    assert cont and all(r["metrics"]["n_tokens"] == 2 * 4 for r in cont)  # 48 context + 4 continuation
+    agr = [r for r in recs if r["task"] == "agreement"]
+    assert all(0.0 <= r["metrics"]["match_rate"] <= 1.0 for r in agr)
+    assert [r["metrics"]["match_rate"] for r in agr if r["policy"] == "dense"] == [1.0]
+    needle = [r for r in recs if r["task"] == "needle"]
+    assert needle and all(len(r["cases"]) == 1 and "answer" in r["cases"][0] for r in needle)
+    for task in ("lm", "continuation", "agreement", "needle"):
+        assert (tmp_path / f"{task}.png").stat().st_size > 1000
+    assert res["records"] == recs
+
+
+def test_run_eval_on_fixture_corpora(tmp_path):
+    from pathlib import Path
+
+    fixtures = Path(__file__).parent / "fixtures" / "corpora"
+    roots = {name: fixtures / name for name in ("paul_graham", "python_code")}
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    cfg = _small_cfg(
+        tasks=("lm",),
+        policies=("dense", "knorm"),
+        compressions=(0.75,),
+        corpora=tuple(roots),
+        corpus_root=roots,
+    )
+    res = run_eval(model, tok, cfg, progress=False, plots=False, out=tmp_path)
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["corpus_root"][
+        "paul_graham"
+    ].endswith("paul_graham")
+    doms = {(r["domain"], tuple(r["corpora"])) for r in res["records"]} | {("note", n) for n in res["notes"]}
+    # every corpus is either evaluated in its domain or skipped with a note
+    assert ("in_domain", ("paul_graham",)) in doms or any("paul_graham" in str(d) for d in doms)
+    assert ("out_of_domain", ("python_code",)) in doms or any("python_code" in str(d) for d in doms)
+
+
+def test_cli_on_saved_tiny_model(tmp_path, capsys):
+    save_tiny_model(tmp_path / "model")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text(TEXT * 3)
+    (docs / "b.txt").write_text(TEXT[::-1] * 3)
+    out = tmp_path / "out"
+    rc = main(["--model", str(tmp_path / "model"), "--docs-from", str(docs), "--out", str(out), "--quick",
+               "--doc-tokens", "64", "--policies", "dense", "knorm", "no-such-policy", "--no-progress"])  # fmt: skip
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    assert {r["policy"] for r in data["records"]} == {"dense", "knorm"}
+    assert all(r["task"] == "lm" and r["domain"] == "user" and r["budget"] == 8 for r in data["records"])
+    assert (out / "lm.png").exists()
+    printed = capsys.readouterr().out
+    assert "knorm" in printed and "results.json" in printed
+    assert main(["--out", str(out), "--compression", "1.5"]) == 2
+
+
+def test_scorer_flag_and_missing_learned_scorer_is_skipped(tmp_path):
+    from kvpop.evaluate.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["--out", "x", "--scorer", "kvpop=/a", "--scorer", "/b"])
+    assert config_from_args(args).policy_kwargs == {"kvpop": {"path": "/a"}, "kvpop-mlp": {"path": "/b"}}
+    model = tiny_model("llama")
+    cfg = _small_cfg(tasks=("lm",), policies=("dense", "kvpop-mlp"), compressions=(0.75,),
+                     policy_kwargs={"kvpop-mlp": {"path": str(tmp_path / "missing.safetensors")}})  # fmt: skip
+    res = run_eval(model, tiny_tokenizer(), cfg, documents={"x": [_ids(64)]}, progress=False, plots=False)
+    assert "kvpop-mlp" in res["skipped_policies"] and res["policies"] == ["dense"]
+    assert {r["policy"] for r in res["records"]} == {"dense"}

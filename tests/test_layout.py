@@ -1,0 +1,32 @@
+"""One-way imports: the cache, rule, policies and scorers never depend on training, evaluation or benchmarks."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "kvpop"
+CORE = ["rule.py", "cache.py", "config.py", "attention.py", "policies", "scorers", "targets.py", "teacher.py"]
+FORBIDDEN = ("train", "evaluate", "bench", "cli")
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            yield ("." * node.level) + mod
+            for alias in node.names:
+                yield ("." * node.level) + (mod + "." if mod else "") + alias.name
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+
+
+def test_core_modules_do_not_import_training_or_evaluation():
+    files = []
+    for entry in CORE:
+        p = SRC / entry
+        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+    for f in files:
+        for name in _imports(f):
+            parts = [x for x in name.replace("kvpop.", ".").split(".") if x]
+            assert not any(part in FORBIDDEN for part in parts), f"{f.relative_to(SRC)} imports {name}"
