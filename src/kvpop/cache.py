@@ -48,8 +48,11 @@ class KVpopLayer(CacheLayerMixin):
         self._k = torch.zeros(b, h, n + 1, d, dtype=key_states.dtype, device=dev)
         self._v = torch.zeros(b, h, n + 1, value_states.shape[-1], dtype=value_states.dtype, device=dev)
         self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
-        self.slot_index = torch.full((b, h, n), -1, dtype=torch.long, device=dev)
-        self.lr_prio = torch.full((b, h, cfg.k), -math.inf, dtype=torch.float32, device=dev)
+        # slot_index / lr_prio also carry a trash entry at the end, for branch-free rejected writes
+        self._slot_index = torch.full((b, h, n + 1), -1, dtype=torch.long, device=dev)
+        self._lr_prio = torch.full((b, h, cfg.k + 1), -math.inf, dtype=torch.float32, device=dev)
+        self._views()
+        self.min_real = 0  # fewest real tokens seen by any row (a Python int: no device sync on the hot path)
         self.n_real = torch.zeros(b, dtype=torch.long, device=dev)
         self.observed = torch.zeros(b, h, cfg.window, dtype=torch.float32, device=dev)  # per ring slot
         self.device = dev
@@ -61,6 +64,12 @@ class KVpopLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         setattr(key_states, _PENDING, self)
         return key_states, value_states
+
+    def _views(self) -> None:
+        n, k = self.cfg.budget, self.cfg.k
+        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+        self.slot_index = self._slot_index[:, :, :n]
+        self.lr_prio = self._lr_prio[:, :, :k]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The model builds its padding mask against all tokens seen; kvpop reads the new tokens' part.
@@ -77,18 +86,19 @@ class KVpopLayer(CacheLayerMixin):
         if self.is_initialized:
             self._k.zero_()
             self._v.zero_()
-            self.slot_index.fill_(-1)
-            self.lr_prio.fill_(-math.inf)
+            self._slot_index.fill_(-1)
+            self._lr_prio.fill_(-math.inf)
             self.n_real.zero_()
             self.observed.zero_()
+            self.min_real = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if not self.is_initialized:
             return
-        for name in ("_k", "_v", "slot_index", "lr_prio", "n_real", "observed"):
+        for name in ("_k", "_v", "_slot_index", "_lr_prio", "n_real", "observed"):
             setattr(self, name, getattr(self, name).index_select(0, beam_idx.to(self.device)))
-        n = self.cfg.budget
-        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+        self._views()
+        self.min_real = int(self.n_real.min())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
@@ -148,50 +158,53 @@ class KVpopLayer(CacheLayerMixin):
         timer = self.timer
         t0 = time.perf_counter() if timer is not None else 0.0
         t = self.n_real  # [b] index of the new token
+        n = cfg.budget
         slot = torch.where(t < s, t, s + (t - s) % w)  # sink slot, or the ring slot it shares with the exiting token
-        has_exit = t >= s + w
-        ex_idx = torch.where(has_exit, t - w, -1)  # [b]
+        all_exit = self.min_real >= s + w
+        ex_idx = t - w if all_exit else torch.where(t >= s + w, t - w, -1)  # [b]
         slot_h = slot.view(b, 1, 1).expand(b, h, 1)
         ring_off = ((t - s) % w).clamp(min=0)
 
-        if self.policy.stateful or bool(has_exit.any()):
+        if all_exit or self.policy.stateful or bool((t >= s + w).any()):
             ex_k = self.keys.gather(2, slot_h.unsqueeze(-1).expand(b, h, 1, d))
             ex_v = self.values.gather(2, slot_h.unsqueeze(-1).expand(b, h, 1, self.values.shape[-1]))
             observed = None
             if self.policy.needs_attention:
                 observed = self.observed.gather(2, ring_off.view(b, 1, 1).expand(b, h, 1))
-            batch = ExitBatch(self.layer_idx, ex_k, ex_v, ex_idx.view(b, 1), k_new, v_new, t.view(b, 1), observed)
+            batch = ExitBatch(self.layer_idx, ex_k, ex_v, ex_idx.view(b, 1), k_new, v_new, t.view(b, 1), observed, True)
             prio = self.policy.score(batch).float().view(b, h)
             if timer is not None:
                 t0 = _tick(timer, "score", t0)
             if torch.isnan(prio).any():
                 raise RuntimeError(f"policy {self.policy.name} returned NaN scores at layer {self.layer_idx}")
-            prio = prio + cfg.lam * ex_idx.view(b, 1).float()
+            if cfg.lam:
+                prio = prio + cfg.lam * ex_idx.view(b, 1).float()
             if kk > 0:
-                lr_idx = self.slot_index[:, :, s + w :]
-                ex_idx_h = ex_idx.view(b, 1).expand(b, h)
-                lr_slot, accept = decide_one(self.lr_prio, lr_idx, prio, ex_idx_h)
-                dst = (s + w + lr_slot).unsqueeze(-1)  # [b, h, 1]
-                # the winner moves from its ring slot into the long-range slot (rows without a winner rewrite the slot's own content)
-                src_k = torch.where(accept.view(b, h, 1, 1), ex_k, self.keys.gather(2, dst.unsqueeze(-1).expand(b, h, 1, d)))
-                src_v = torch.where(accept.view(b, h, 1, 1), ex_v, self.values.gather(2, dst.unsqueeze(-1).expand(b, h, 1, ex_v.shape[-1])))
-                self._k.scatter_(2, dst.unsqueeze(-1).expand(b, h, 1, d), src_k)
-                self._v.scatter_(2, dst.unsqueeze(-1).expand(b, h, 1, ex_v.shape[-1]), src_v)
-                old_idx = self.slot_index.gather(2, dst)
-                self.slot_index.scatter_(2, dst, torch.where(accept.unsqueeze(-1), ex_idx_h.unsqueeze(-1), old_idx))
-                old_prio = self.lr_prio.gather(2, lr_slot.unsqueeze(-1))
-                self.lr_prio.scatter_(2, lr_slot.unsqueeze(-1), torch.where(accept.unsqueeze(-1), prio.unsqueeze(-1), old_prio))
+                if self.min_real - s - w >= kk:
+                    # every long-range slot is held: the exiting token (the newest) must beat the weakest strictly
+                    min_prio, _ = self.lr_prio.min(-1)
+                    weakest = torch.where(self.lr_prio == min_prio.unsqueeze(-1), self.slot_index[:, :, s + w :], -1).argmax(-1)
+                    accept = prio > min_prio
+                else:
+                    weakest, accept = decide_one(self.lr_prio, self.slot_index[:, :, s + w :], prio, ex_idx.view(b, 1).expand(b, h))
+                # rejected exits write to the trash slot: no gather-and-rewrite of the old content
+                dst = torch.where(accept, s + w + weakest, n).unsqueeze(-1)  # [b, h, 1]
+                self._k.scatter_(2, dst.unsqueeze(-1).expand(b, h, 1, d), ex_k)
+                self._v.scatter_(2, dst.unsqueeze(-1).expand(b, h, 1, ex_v.shape[-1]), ex_v)
+                self._slot_index.scatter_(2, dst, ex_idx.view(b, 1, 1).expand(b, h, 1))
+                self._lr_prio.scatter_(2, dst - (s + w), prio.unsqueeze(-1))
 
         # the new token takes its slot (evicting the exiting token's copy in the ring)
         self._k.scatter_(2, slot_h.unsqueeze(-1).expand(b, h, 1, d), k_new)
         self._v.scatter_(2, slot_h.unsqueeze(-1).expand(b, h, 1, v_new.shape[-1]), v_new)
-        self.slot_index.scatter_(2, slot_h, t.view(b, 1, 1).expand(b, h, 1))
+        self._slot_index.scatter_(2, slot_h, t.view(b, 1, 1).expand(b, h, 1))
         self.n_real = t + 1
+        self.min_real += 1
         if timer is not None:
             t0 = _tick(timer, "evict", t0)
 
         qg = q.view(b, h, g, d)
-        full = bool((self.slot_index >= 0).all())
+        full = self.min_real >= cfg.budget
         if self.policy.needs_attention:
             logits = torch.einsum("bhgd,bhkd->bhgk", qg.float(), self.keys.float()) * scaling
             kidx = self.slot_index.unsqueeze(2)  # [b, h, 1, n]
@@ -327,20 +340,20 @@ class KVpopLayer(CacheLayerMixin):
         slot4 = new_slot.view(b, 1, c, 1).expand(b, h, c, d)
         self._k.scatter_(2, slot4, k_new)
         self._v.scatter_(2, new_slot.view(b, 1, c, 1).expand(b, h, c, v_new.shape[-1]), v_new)
-        idx_ext = torch.cat([self.slot_index, self.slot_index.new_full((b, h, 1), -1)], dim=2)
-        idx_ext.scatter_(2, new_slot.view(b, 1, c).expand(b, h, c), new_idx.unsqueeze(1).expand(b, h, c))
-        self.slot_index = idx_ext[:, :, :n].contiguous()
+        self._slot_index.scatter_(2, new_slot.view(b, 1, c).expand(b, h, c), new_idx.unsqueeze(1).expand(b, h, c))
+        self._slot_index[:, :, n] = -1
         if kk > 0:
             self._k[:, :, s + w : n] = new_lr_k
             self._v[:, :, s + w : n] = new_lr_v
             self.slot_index[:, :, s + w :] = new_lr_idx
-            self.lr_prio = new_lr_prio.contiguous()
+            self.lr_prio.copy_(new_lr_prio)
         if observed is not None:
             ring_obs = torch.cat([acc_old, acc_old.new_zeros(b, h, 1)], dim=2)
             ring_new = torch.where(valid & (new_idx >= s), (new_idx - s) % w, w).unsqueeze(1).expand(b, h, c)
             ring_obs.scatter_(2, ring_new, new_contrib)
             self.observed = ring_obs[:, :, :w].contiguous()
         self.n_real = self.n_real + valid.long().sum(1)
+        self.min_real = int(self.n_real.min())
         return out
 
     def held_indices(self) -> torch.Tensor:
@@ -370,7 +383,7 @@ class KVpopCache(Cache):
     Example::
 
         cache = kvpop.KVpopCache(model.config, budget=512, window=64, policy="knorm")
-        model.generate(**inputs, past_key_values=cache, max_new_tokens=2000)
+        model.generate(**inputs, cache=cache, max_new_tokens=2000)
 
     Creating the cache switches ``model.config``'s attention implementation to ``"kvpop"``,
     which behaves exactly like the previous one for any other cache.

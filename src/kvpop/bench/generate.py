@@ -42,16 +42,16 @@ def run_one(spec: str, lengths: list[int], decode_steps: int, mode: str, model_p
     for length in lengths:
         if mode == "prefill":
             if length > pos:
-                model(ids[:, pos:length], past_key_values=cache)
+                model(ids[:, pos:length], cache=cache)
                 pos = length
         else:
             while pos < length:
-                model(ids[:, pos : pos + 1], past_key_values=cache)
+                model(ids[:, pos : pos + 1], cache=cache)
                 pos += 1
         lat = []
         for _ in range(decode_steps):
             t0 = time.perf_counter()
-            model(ids[:, pos : pos + 1], past_key_values=cache)
+            model(ids[:, pos : pos + 1], cache=cache)
             lat.append(time.perf_counter() - t0)
             pos += 1
         rows.append({

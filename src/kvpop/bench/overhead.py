@@ -47,12 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as exc:  # e.g. no shipped scorer of that kind
             print(f"skip {name}: {exc}")
             continue
-        model(ids[:, : args.context], past_key_values=cache)
+        model(ids[:, : args.context], cache=cache)
         for layer in cache.layers:
             layer.timer = {}
         t0 = time.perf_counter()
         for i in range(args.context, args.context + args.steps):
-            model(ids[:, i : i + 1], past_key_values=cache)
+            model(ids[:, i : i + 1], cache=cache)
         total = time.perf_counter() - t0
         phases = {k: sum(layer.timer.get(k, 0.0) for layer in cache.layers) for k in ("score", "evict", "attend")}
         row = {

@@ -32,6 +32,7 @@ class ExitBatch:
     new_values: torch.Tensor  # [b, h, C, d]
     new_index: torch.Tensor  # [b, C] logical index of each new token (-1: padding)
     attention: torch.Tensor | None = None  # [b, h, X] observed attention (policies with needs_attention)
+    all_valid: bool = False  # True when no new token is padding (lets policies skip masking)
 
 
 class Policy:

@@ -47,8 +47,9 @@ class LearnedPolicy(Policy):
         if self.states is None:
             self.states = self.scorer.init_state(b, device=dev, dtype=torch.float32)
         l = batch.layer_idx
-        mask = batch.new_index >= 0
-        read_steps = torch.arange(c, device=dev)
+        mask = None if batch.all_valid else batch.new_index >= 0
+        # decode (one new token): read after it, the scorer's single-step fast path
+        read_steps = None if c == 1 else torch.arange(c, device=dev)
         state, scores = self.scorer.step_and_read(
             l, self.states[l], batch.new_keys.float(), batch.new_values.float(),
             batch.keys.float(), batch.values.float(), read_steps, mask,
