@@ -82,18 +82,16 @@ def generate(
             f"batched prompts need tokenizer.padding_side='left' (got {tokenizer.padding_side!r}): "
             "the cache skips left padding so that padding never takes a slot"
         )
-    cache = None
-    if not (isinstance(policy, str) and policy == DENSE):
-        cache = KVpopCache(
-            model.config,
-            budget=budget,
-            k=k,
-            compression=compression,
-            reference_length=reference_length,
-            window=window,
-            sinks=sinks,
-            policy=policy,
-        )
+    cache = make_cache(
+        model,
+        policy,
+        budget=budget,
+        k=k,
+        compression=compression,
+        reference_length=reference_length,
+        window=window,
+        sinks=sinks,
+    )
     if chat:
         prompts = [
             tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)

@@ -89,14 +89,21 @@ def decide_chunk(
     raise ValueError(f"method must be 'auto', 'pairwise' or 'sequential', got {method!r}")
 
 
-def _decide_chunk_pairwise(lr_prio, lr_idx, ex_prio, ex_idx, window):
+def _candidates(lr_prio, lr_idx, ex_prio, ex_idx, window):
+    """Held tokens then exits, as one candidate list: priority, index, presence, kind, arrival step."""
     k = lr_idx.shape[-1]
-    prio = torch.cat([lr_prio, ex_prio], -1)
+    prio = torch.cat([lr_prio, ex_prio], -1).float()
     idx = torch.cat([lr_idx, ex_idx], -1)
     valid = idx >= 0
     is_exit = torch.zeros_like(valid)
     is_exit[..., k:] = True
-    arrival = torch.where(is_exit, idx + window, torch.full_like(idx, -1))
+    arrival = torch.where(is_exit, idx + window, torch.full_like(idx, -1))  # held tokens arrived before the chunk
+    return prio, idx, valid, is_exit, arrival
+
+
+def _decide_chunk_pairwise(lr_prio, lr_idx, ex_prio, ex_idx, window):
+    k = lr_idx.shape[-1]
+    prio, idx, valid, _, arrival = _candidates(lr_prio, lr_idx, ex_prio, ex_idx, window)
     if k == 0:
         leave = arrival
     else:
@@ -116,12 +123,7 @@ def _decide_chunk_pairwise(lr_prio, lr_idx, ex_prio, ex_idx, window):
 
 def _decide_chunk_sorted(lr_prio, lr_idx, ex_prio, ex_idx, window):
     k = lr_idx.shape[-1]
-    prio = torch.cat([lr_prio, ex_prio], -1).float()
-    idx = torch.cat([lr_idx, ex_idx], -1)
-    valid = idx >= 0
-    is_exit = torch.zeros_like(valid)
-    is_exit[..., k:] = True
-    arrival = torch.where(is_exit, idx + window, torch.full_like(idx, -1))
+    prio, idx, valid, is_exit, arrival = _candidates(lr_prio, lr_idx, ex_prio, ex_idx, window)
     if k == 0:
         leave = arrival
     else:

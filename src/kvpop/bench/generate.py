@@ -7,7 +7,7 @@ process's current and peak RSS. ``--mode step`` feeds every token one at a time 
 generation, slow on CPU); ``--mode prefill`` (default) reaches each L by chunked prefill and
 then times the decode steps there.
 
-    kvpop bench generate --lengths 1024,2048,4096,8192 --out results/bench_generate
+    kvpop bench generate --lengths 1024,2048,4096,8000 --out results/bench_generate
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def plot(results: dict, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvpop bench generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma list: dense or name@budget")
-    p.add_argument("--lengths", default="1024,2048,4096,8192")
+    p.add_argument("--lengths", default="1024,2048,4096,8000")
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--mode", choices=["prefill", "step"], default="prefill")
     p.add_argument("--model", default=None)

@@ -6,7 +6,7 @@ accumulates the seconds spent in its phases: ``score`` (gathering the exiting to
 policy's scoring, including the mLSTM state update), ``evict`` (the rule and the in-place
 buffer writes) and ``attend``.
 
-    kvpop bench overhead --budget 512 --context 8192 --out results/bench_overhead
+    kvpop bench overhead --budget 512 --context 8000 --out results/bench_overhead
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvpop bench overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default=DEFAULT)
     p.add_argument("--budget", type=int, default=512)
-    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--context", type=int, default=8000)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results/bench_overhead")
@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; known: {sorted(POLICIES)}")
     model, tok = load_model(args.model, progress=True)
+    limit = model.config.max_position_embeddings
+    if args.context + args.steps + 1 > limit:
+        raise SystemExit(f"--context + --steps needs {args.context + args.steps + 1} positions; the model has {limit}")
     ids = text_ids(tok, args.context + args.steps + 1)
     rows = []
     for name in names:

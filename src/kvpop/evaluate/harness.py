@@ -28,7 +28,6 @@ from .core import ALL_POLICIES, DENSE, Budget, DenseCache, PolicyUnavailable, Su
 from .tasks import TASKS, agreement_doc, continuation_doc, lm_doc, needle_case, needle_cases
 
 
-
 def _shipped_training_corpora() -> tuple[str, ...]:
     """In-domain = the corpora the shipped scorer was trained on (read from its checkpoint)."""
     from ..checkpoint import DEFAULT_SCORERS, read_header
