@@ -41,9 +41,12 @@ def run_one(spec: str, lengths: list[int], decode_steps: int, mode: str, model_p
     base_rss = rss_bytes()
     for length in lengths:
         if mode == "prefill":
-            if length > pos:
-                model(ids[:, pos:length], cache=cache)
-                pos = length
+            # pieces of at most 1024 tokens, last-position logits only: the transient memory of a
+            # long prefill (a [T, vocab] logits tensor) would otherwise dominate the peak RSS
+            while pos < length:
+                end = min(length, pos + 1024)
+                model(ids[:, pos:end], cache=cache, logits_to_keep=1)
+                pos = end
         else:
             while pos < length:
                 model(ids[:, pos : pos + 1], cache=cache)
