@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import attach
-from .config import EvictionConfig
+from .config import EvictionConfig, attention_shape
 from .policies import ExitBatch, Policy, get_policy
 from .rule import NEVER, decide_chunk, decide_one
 
@@ -235,7 +235,6 @@ class KVpopLayer(CacheLayerMixin):
         h = k_new.shape[1]
         g = hq // h
         dev = q.device
-        torch.arange(h, device=dev)
 
         # logical index of each new token in its row; -1 for padding
         new_idx = torch.where(valid, self.n_real.unsqueeze(1) + valid.long().cumsum(1) - 1, -1)
@@ -428,11 +427,9 @@ class KVpopCache(Cache):
                 lam=eviction.lam,
                 prefill_chunk=eviction.prefill_chunk,
             )
-        text_config = config.get_text_config(decoder=True)
-        num_layers = text_config.num_hidden_layers
-        kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        pol.setup(num_layers, kv_heads, head_dim, eviction.window)
+        shape = attention_shape(config)
+        num_layers = shape.num_layers
+        pol.setup(num_layers, shape.kv_heads, shape.head_dim, eviction.window)
         self.eviction, self.policy = eviction, pol
         super().__init__(layers=[KVpopLayer(eviction, pol, i) for i in range(num_layers)])
         attach(config)

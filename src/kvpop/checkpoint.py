@@ -19,6 +19,7 @@ from typing import Any
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .config import attention_shape
 from .scorers import ScorerConfig, ScorerStack, build_scorer
 
 FORMAT = "kvpop-scorer-v1"
@@ -33,8 +34,7 @@ class ScorerMismatchError(ValueError):
 def model_fingerprint(model) -> dict[str, Any]:
     """Architecture, sizes and a hash of a few weights of the base model."""
     cfg = model.config.get_text_config(decoder=True)
-    kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = attention_shape(cfg)
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         if name.endswith(("layers.0.self_attn.k_proj.weight", "embed_tokens.weight")):
@@ -42,9 +42,9 @@ def model_fingerprint(model) -> dict[str, Any]:
             h.update(p.detach().float().flatten()[:4096].cpu().numpy().round(5).tobytes())
     return {
         "model_type": cfg.model_type,
-        "num_layers": cfg.num_hidden_layers,
-        "kv_heads": kv,
-        "head_dim": head_dim,
+        "num_layers": shape.num_layers,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
         "weights_sha256": h.hexdigest()[:16],
     }
 

@@ -12,6 +12,24 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class AttentionShape:
+    """Per-layer cache geometry of a decoder: what the budget multiplies."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def attention_shape(config) -> AttentionShape:
+    """Layers, KV heads and head dim of a (possibly multimodal) transformers config."""
+    get = getattr(config, "get_text_config", None)
+    text = get(decoder=True) if callable(get) else config
+    kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return AttentionShape(int(text.num_hidden_layers), int(kv), int(head_dim))
+
+
+@dataclass(frozen=True)
 class EvictionConfig:
     """Resolved per-head budget ``B = sinks + window + k`` (method.md section 1)."""
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .cache import KVpopCache
+from .models import kv_bytes_per_token
 from .policies import POLICIES, Policy
 
 DENSE = "dense"
@@ -32,11 +33,7 @@ class GenerationResult:
 
 
 def dense_kv_bytes(config, batch: int, tokens: int, dtype: torch.dtype) -> int:
-    text = config.get_text_config(decoder=True)
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * text.num_hidden_layers * batch * kv_heads * tokens * head_dim * itemsize
+    return kv_bytes_per_token(config, dtype) * batch * tokens
 
 
 def make_cache(model, policy: str | Policy = "knorm", **budget) -> KVpopCache | None:

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .config import attention_shape
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -442,21 +444,11 @@ def _text_config(config: Any) -> Any:
     return get() if callable(get) else config
 
 
-def _head_dim(config: Any) -> int:
-    head_dim = getattr(config, "head_dim", None)
-    return int(head_dim) if head_dim else int(config.hidden_size) // int(config.num_attention_heads)
-
-
-def _num_kv_heads(config: Any) -> int:
-    kv = getattr(config, "num_key_value_heads", None)
-    return int(kv) if kv else int(config.num_attention_heads)
-
-
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> int:
     """Bytes of K+V cache one token costs across all layers: 2 * layers * kv_heads * head_dim * itemsize."""
-    c = _text_config(config)
+    shape = attention_shape(config)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * int(c.num_hidden_layers) * _num_kv_heads(c) * _head_dim(c) * itemsize
+    return 2 * shape.num_layers * shape.kv_heads * shape.head_dim * itemsize
 
 
 def model_summary(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -467,8 +459,8 @@ def model_summary(config: PretrainedConfig, dtype: torch.dtype = torch.float32) 
         "supported": getattr(c, "model_type", None) in SUPPORTED_MODEL_TYPES,
         "num_layers": int(c.num_hidden_layers),
         "num_q_heads": int(c.num_attention_heads),
-        "num_kv_heads": _num_kv_heads(c),
-        "head_dim": _head_dim(c),
+        "num_kv_heads": attention_shape(c).kv_heads,
+        "head_dim": attention_shape(c).head_dim,
         "hidden_size": int(c.hidden_size),
         "vocab_size": int(getattr(c, "vocab_size", 0) or 0),
         "max_position_embeddings": getattr(c, "max_position_embeddings", None),

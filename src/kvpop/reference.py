@@ -15,7 +15,7 @@ import math
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from .config import EvictionConfig
+from .config import EvictionConfig, attention_shape
 from .policies import ExitBatch, Policy
 
 NAME = "kvpop_reference"
@@ -26,12 +26,10 @@ class MaskedReference:
     """Token-by-token dense model with per-head eviction masks."""
 
     def __init__(self, model, eviction: EvictionConfig, policy: Policy):
-        text = model.config.get_text_config(decoder=True)
+        shape = attention_shape(model.config)
         self.model, self.cfg, self.policy = model, eviction, policy
-        self.num_layers = text.num_hidden_layers
-        self.kv_heads = text.num_key_value_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        policy.setup(self.num_layers, self.kv_heads, head_dim, eviction.window)
+        self.num_layers, self.kv_heads = shape.num_layers, shape.kv_heads
+        policy.setup(self.num_layers, self.kv_heads, shape.head_dim, eviction.window)
         self.long_range = [[[] for _ in range(self.kv_heads)] for _ in range(self.num_layers)]
         self.prio: list[dict[int, float]] = [{} for _ in range(self.num_layers)]
         self.local_probs: list[list[torch.Tensor]] = [[] for _ in range(self.num_layers)]  # [h, t+1] per query

@@ -22,7 +22,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from .capture import collect
 from .checkpoint import atomic_write, model_fingerprint, save_scorer
-from .config import EvictionConfig
+from .config import EvictionConfig, attention_shape
 from .scorers import ScorerConfig, ScorerStack, build_scorer
 from .targets import loss_mask
 from .teacher import teacher_labels
@@ -69,7 +69,6 @@ class TrainConfig:
     stop_after: int | None = None  # end this process after that many total steps (as if killed); rerun resumes
     check_sync: bool = False  # DDP test aid: assert identical weights on all ranks after each step
     progress: bool = True
-    extra: dict = field(default_factory=dict)
 
     def eviction(self) -> EvictionConfig:
         return EvictionConfig.from_budget(self.budget, window=self.window, sinks=self.sinks, lam=self.lam)
@@ -266,12 +265,12 @@ def train(cfg: TrainConfig, model=None, tokenizer=None) -> dict:
 
         model, tokenizer = load_model(cfg.model, progress=rank == 0 and cfg.progress)
     model.eval().requires_grad_(False)
-    text = model.config.get_text_config(decoder=True)
+    shape = attention_shape(model.config)
     scfg = ScorerConfig(
         kind=cfg.scorer,
-        num_layers=text.num_hidden_layers,
-        kv_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        num_layers=shape.num_layers,
+        kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
         hidden=cfg.hidden,
         dk=cfg.dk,
         dv=cfg.dv,
