@@ -1,0 +1,429 @@
+"""Training-time eviction mask: the bounded cache as an attention mask over the whole sequence.
+
+With a static per-token priority (frozen when the token leaves the window; method.md section 5,
+"Adapting the LLM"), the long-range set after any number of exits is the top-``k`` of the
+exited tokens in the order ``(priority, -index)`` (``kvpop.rule``). So each token has one
+*leave step*: the first query step at which the cache no longer holds it, and
+
+    key ``t`` is visible to query ``q``  iff  ``t <= q < leave[t]``.
+
+:func:`leave_steps` computes it for every token in ``O(S log S)`` per head, vectorised over
+rows and heads. :func:`masked_eviction` is a context manager (modelled on
+``kvpop.capture.capturing``) under which a cache-free forward of a model attends with that
+mask, per KV head: the logits equal those of the same tokens fed through
+:class:`kvpop.KVpopCache` with the same priorities, and gradients reach the model's own
+weights (the priorities are computed without gradient). Ready-made priority functions:
+:func:`streaming_priority_fn`, :func:`learned_priority_fn`, :func:`oracle_priority_fn`.
+
+How leave steps are computed. Competitor ``t >= sinks`` exits at ``e_t = t + window``. It
+leaves at its exit if ``k`` tokens ranked above it exited before, else at the exit of the
+``k``-th token ranked above it, in index order: with ``u_k(t)`` the ``k``-th smallest index
+among the tokens ranked above ``t``, ``leave[t] = max(t, u_k(t)) + window`` (``NEVER`` if
+fewer than ``k`` rank above it, or if that step is past the sequence). ``u_k`` for all tokens
+at once is a prefix order statistic over the tokens listed best first, answered by a wavelet
+matrix over the token indices: ``ceil(log2 S)`` levels, each a cumulative sum, a scatter and a
+few gathers over ``[rows, S]`` tensors, no Python loop over tokens or heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .rule import NEVER
+
+__all__ = [
+    "MASK_ATTN_NAME",
+    "NEVER",
+    "MaskedEvictionState",
+    "PriorityFn",
+    "learned_priority_fn",
+    "leave_steps",
+    "logical_positions",
+    "masked_eviction",
+    "oracle_priority_fn",
+    "streaming_priority_fn",
+    "visibility",
+]
+
+MASK_ATTN_NAME = "kvpop_masked"
+
+# priority_fn(layer_idx, keys [b, kv_heads, S, d], values [b, kv_heads, S, dv], positions [b, S]) -> [b, kv_heads, S]
+PriorityFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+# --------------------------------------------------------------------------------------------
+# leave steps
+# --------------------------------------------------------------------------------------------
+
+
+def _check_int(name: str, v, lo: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}; got {v!r}")
+    return v
+
+
+def _kth_smallest_prefix(x: Tensor, hi: Tensor, kth: int) -> Tensor:
+    """Per row ``r`` and query ``j``: the ``kth``-smallest (0-based) value of ``x[r, :hi[r, j]]``.
+
+    ``x`` ``[R, n]`` holds distinct values in ``[0, n)``; queries with ``hi <= kth`` return
+    garbage (the caller masks them). A wavelet matrix, built and queried level by level.
+    """
+    R, n = x.shape
+    dev = x.device
+    ar = torch.arange(n, device=dev).expand(R, n)
+    zero = torch.zeros(R, 1, dtype=torch.long, device=dev)
+    lo = torch.zeros_like(hi)
+    k = torch.full_like(hi, kth)
+    res = torch.zeros_like(hi)
+    cur = x
+    for b in reversed(range(max(1, (n - 1).bit_length()))):
+        bit = (cur >> b) & 1
+        r0 = torch.cat([zero, (1 - bit).cumsum(1)], 1)  # r0[:, i]: zeros among cur[:, :i]
+        nz = r0[:, n:]  # [R, 1] zeros at this level
+        # stable partition for the next level: zeros first, then ones
+        dest = torch.where(bit == 0, r0[:, :n], nz + ar - r0[:, :n])
+        cur = torch.empty_like(cur).scatter_(1, dest, cur)
+        # descend: into the zeros if enough of them lie in [lo, hi), else into the ones
+        r0_lo, r0_hi = r0.gather(1, lo), r0.gather(1, hi)
+        z = r0_hi - r0_lo
+        left = k < z
+        lo = torch.where(left, r0_lo, nz + lo - r0_lo)
+        hi = torch.where(left, r0_hi, nz + hi - r0_hi)
+        k = torch.where(left, k, k - z)
+        res = res | ((~left).long() << b)
+    return res
+
+
+def leave_steps(priority: Tensor, sinks: int, window: int, k: int) -> Tensor:
+    """First query step at which each token is no longer held: LongTensor ``[b, h, S]``.
+
+    ``priority`` ``[b, h, S]`` is the static priority of each token (frozen at its exit; e.g.
+    ``score + lam * t``). Tokens ``t < sinks`` and tokens still held after step ``S - 1`` get
+    ``NEVER``; with ``k = 0`` every competitor leaves at ``t + window``. Ties: of equal priority,
+    the older token ranks higher (``kvpop.rule``). Key ``t`` is visible to query ``q`` iff
+    ``t <= q < leave[t]`` (:func:`visibility`). ``O(S log S)`` per head, no loop over tokens.
+    """
+    if not isinstance(priority, Tensor) or priority.ndim != 3:
+        raise ValueError("priority must be a tensor [batch, heads, S]")
+    sinks, window, k = _check_int("sinks", sinks), _check_int("window", window), _check_int("k", k)
+    b, h, S = priority.shape
+    dev = priority.device
+    leave = torch.full((b, h, S), NEVER, dtype=torch.long, device=dev)
+    n = S - sinks  # competitors
+    if n <= 0 or k >= n:
+        return leave
+    j = torch.arange(n, device=dev)
+    if k == 0:
+        comp = (j + sinks + window).expand(b, h, n)
+    else:
+        p = priority[..., sinks:]
+        if p.is_floating_point() and bool(torch.isnan(p).any()):
+            raise ValueError("priority contains NaN")
+        R = b * h
+        # competitors best first; a stable descending sort keeps the older of equal priorities first
+        order = torch.sort(p.reshape(R, n), dim=1, descending=True, stable=True).indices
+        above = torch.empty_like(order).scatter_(1, order, j.expand(R, n))  # how many rank above each token
+        uk = _kth_smallest_prefix(order, above, k - 1)
+        comp = torch.maximum(uk, j) + (sinks + window)
+        comp = torch.where(above >= k, comp, NEVER).view(b, h, n)
+    leave[..., sinks:] = torch.where(comp < S, comp, NEVER)
+    return leave
+
+
+def visibility(leave: Tensor, q_pos: Tensor | None = None, k_pos: Tensor | None = None) -> Tensor:
+    """Boolean ``[b, h, Q, K]``: key visible to query, ``t <= q < leave[t]`` on logical indices.
+
+    ``leave`` ``[b, h, K]`` (indexed by key); ``q_pos`` ``[b, Q]`` / ``k_pos`` ``[b, K]`` logical
+    indices of queries and keys (``-1`` = padding; default ``arange``). A padding query sees only
+    the key at its own position (so no attention row is empty).
+    """
+    b, h, K = leave.shape
+    if k_pos is None:
+        k_pos = torch.arange(K, device=leave.device).expand(b, K)
+    if q_pos is None:
+        q_pos = k_pos
+    Q = q_pos.shape[1]
+    lq = q_pos.view(b, 1, Q, 1)
+    lk = k_pos.view(b, 1, 1, K)
+    vis = (lk >= 0) & (lk <= lq) & (lq < leave.unsqueeze(2))
+    pad_q = lq < 0
+    if bool(pad_q.any()):
+        # a padding query at physical position i sees key i (queries and keys share positions here)
+        off = K - Q
+        self_key = torch.arange(Q, device=leave.device).view(1, 1, Q, 1) + off == torch.arange(K, device=leave.device)
+        vis = vis | (pad_q & self_key)
+    return vis
+
+
+def logical_positions(attention_mask: Tensor | None, batch: int, S: int, device=None) -> Tensor:
+    """Logical token index of each position ``[b, S]``: the count of real tokens before it, ``-1`` for padding."""
+    if attention_mask is None:
+        return torch.arange(S, device=device).expand(batch, S)
+    valid = attention_mask.to(torch.bool)
+    return torch.where(valid, valid.long().cumsum(1) - 1, -1)
+
+
+def _leave_logical(prio: Tensor, pos: Tensor, sinks: int, window: int, k: int) -> Tensor:
+    """Leave steps (logical) of each physical key ``[b, h, S]`` for rows that may hold padding."""
+    b, h, S = prio.shape
+    valid = pos >= 0
+    if bool(valid.all()):
+        return leave_steps(prio, sinks, window, k)
+    # real tokens first, in order: padding moved to the end exits after every real query, so it changes nothing
+    perm = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # [b, S]
+    p = prio.gather(2, perm.unsqueeze(1).expand(b, h, S))
+    tail = ~valid.gather(1, perm)
+    p = p.masked_fill(tail.unsqueeze(1), -math.inf)
+    leave_log = leave_steps(p, sinks, window, k)
+    return leave_log.gather(2, pos.clamp(min=0).unsqueeze(1).expand(b, h, S))
+
+
+# --------------------------------------------------------------------------------------------
+# priority functions
+# --------------------------------------------------------------------------------------------
+
+
+def streaming_priority_fn() -> PriorityFn:
+    """Zeros: with ``k = 0`` (StreamingLLM, ``window = B - sinks``) priorities are never compared."""
+
+    def fn(layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
+        return torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
+
+    return fn
+
+
+def learned_priority_fn(scorer, window: int, lam: float = 0.0) -> PriorityFn:
+    """A ``ScorerStack``'s training form: ``scorer.forward_layer(layer, k, v, window) + lam * t``.
+
+    ``window`` is the eviction window (the mLSTM reads token ``t`` after consuming ``t + window``,
+    as the cache does). Padding (``positions < 0``) is passed as the scorer's ``mask``.
+    """
+    window = _check_int("window", window)
+    lam = float(lam)
+
+    def fn(layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
+        valid = positions >= 0
+        mask = None if bool(valid.all()) else valid
+        r = scorer.forward_layer(layer_idx, keys.float(), values.float(), window, mask=mask).float()
+        return r + lam * positions.float().unsqueeze(1) if lam else r
+
+    return fn
+
+
+def oracle_priority_fn(targets: Sequence[Tensor], lam: float = 0.0) -> PriorityFn:
+    """Precomputed priorities: ``targets[layer]`` ``[b, kv_heads, S]`` indexed by logical token, ``+ lam * t``.
+
+    E.g. the log future-attention targets of ``kvpop.capture.collect(model, ids, window=W)``
+    (which are indexed by physical position: pass them for unpadded batches).
+    """
+    targets = [t.float() for t in targets]
+    lam = float(lam)
+
+    def fn(layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
+        tgt = targets[layer_idx].to(keys.device)
+        b, h, S = keys.shape[:3]
+        if tgt.shape[0] != b or tgt.shape[1] != h or tgt.shape[2] < int(positions.max()) + 1:
+            raise ValueError(f"oracle targets of layer {layer_idx} are {tuple(tgt.shape)}; need [{b}, {h}, >= tokens]")
+        idx = positions.clamp(min=0).unsqueeze(1).expand(b, h, S)
+        r = tgt.gather(2, idx)
+        return r + lam * positions.float().unsqueeze(1) if lam else r
+
+    return fn
+
+
+# --------------------------------------------------------------------------------------------
+# the attention function
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MaskedEvictionState:
+    """What :func:`masked_eviction` holds while active; ``leave[layer]`` is filled by each forward."""
+
+    priority_fn: PriorityFn | None
+    sinks: int
+    window: int
+    k: int
+    query_block: int = 1024
+    backend: str = "auto"
+    keep_leave: bool = False
+    leave: dict[int, Tensor] | None = None
+
+
+_ACTIVE: contextvars.ContextVar[MaskedEvictionState | None] = contextvars.ContextVar("kvpop_masked", default=None)
+_REGISTERED = False
+_UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks")
+
+
+def _padding_mask(**kwargs):
+    """Mask interface: hand the attention function the 2-D padding mask (or None) untouched."""
+    am = kwargs.get("attention_mask")
+    if am is None or bool(am.all()):
+        return None
+    return am
+
+
+def _register() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register(MASK_ATTN_NAME, _masked_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(MASK_ATTN_NAME, _padding_mask)
+    _REGISTERED = True
+
+
+def _sdpa_blocks(query, key, value, leave, pos, scale, block, dropout):
+    """CPU (and fallback) path: SDPA with a boolean mask, one block of queries at a time."""
+    b, hq, S, d = query.shape
+    hk = key.shape[1]
+    g = hq // hk
+    outs = []
+    for q0 in range(0, S, block):
+        q1 = min(S, q0 + block)
+        c = q1 - q0
+        vis = visibility(leave[..., :q1], pos[:, q0:q1], pos[:, :q1])  # [b, hk, c, q1]
+        # the g query heads of a KV group side by side: [b, hk, g*c, d] against [b, hk, q1, d]
+        qv = query[:, :, q0:q1].reshape(b, hk, g * c, d)
+        mask = vis.unsqueeze(2).expand(b, hk, g, c, q1).reshape(b, hk, g * c, q1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qv, key[:, :, :q1], value[:, :, :q1], attn_mask=mask, dropout_p=dropout, scale=scale
+        )
+        outs.append(out.view(b, hq, c, -1))
+    return torch.cat(outs, 2)
+
+
+_FLEX = None
+
+
+def _flex(query, key, value, leave, pos, scale):
+    """CUDA path: FlexAttention with a ``mask_mod`` reading the leave steps (same rule as ``visibility``)."""
+    global _FLEX
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    b, hq, S, _ = query.shape
+    g = hq // key.shape[1]
+
+    def mask_mod(bi, hi, qi, ki):
+        lq, lk = pos[bi, qi], pos[bi, ki]
+        return ((lk >= 0) & (lk <= lq) & (lq < leave[bi, hi // g, ki])) | (qi == ki)
+
+    block_mask = create_block_mask(mask_mod, B=b, H=hq, Q_LEN=S, KV_LEN=S, device=query.device)
+    return _FLEX(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=g > 1)
+
+
+def _masked_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    state = _ACTIVE.get()
+    if state is None:
+        raise RuntimeError(f"the {MASK_ATTN_NAME!r} attention runs only inside kvpop.mask.masked_eviction(...)")
+    layer = getattr(module, "layer_idx", None)
+    b, hq, S, d = query.shape
+    hk = key.shape[1]
+    if key.shape[2] != S:
+        raise RuntimeError("masked_eviction expects a cache-free forward over the whole sequence (use_cache=False)")
+    if any(kwargs.get(m) is not None for m in _UNSUPPORTED):
+        raise ValueError(f"masked_eviction does not support attention modifiers {_UNSUPPORTED}")
+    sw = kwargs.get("sliding_window")
+    if sw is not None and S > sw:
+        raise ValueError(f"layer {layer} uses sliding-window attention ({sw} < S={S}); masked_eviction assumes full causal attention")
+    if attention_mask is not None and attention_mask.ndim != 2:
+        raise ValueError("masked_eviction expects a 2-D padding mask [batch, S]")
+    if not module.training:
+        dropout = 0.0
+    scale = float(scaling) if scaling is not None else d**-0.5
+    pos = logical_positions(attention_mask, b, S, device=query.device)
+
+    if state.k == 0 or state.priority_fn is None:
+        if state.k > 0:
+            raise ValueError("masked_eviction with k > 0 needs a priority_fn")
+        prio = torch.zeros(b, hk, S, device=query.device)
+    else:
+        with torch.no_grad():
+            prio = state.priority_fn(layer, key.detach(), value.detach(), pos)
+        if tuple(prio.shape) != (b, hk, S):
+            raise RuntimeError(f"priority_fn returned {tuple(prio.shape)} at layer {layer}; expected {(b, hk, S)}")
+        prio = prio.detach()
+        if bool(torch.isnan(prio.masked_fill(pos.unsqueeze(1) < 0, 0.0)).any()):
+            raise RuntimeError(f"priority_fn returned NaN at layer {layer}")
+    leave = _leave_logical(prio, pos, state.sinks, state.window, state.k)
+    if state.keep_leave:
+        state.leave[layer] = leave
+
+    if attention_mask is None and bool((leave == NEVER).all()):
+        # nothing ever leaves: the plain causal mask, through the same function as dense attention
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling, **kwargs)
+
+    backend = state.backend
+    if backend == "auto":
+        backend = "flex" if query.is_cuda else "sdpa"
+    if backend == "flex":
+        out = _flex(query, key, value, leave, pos, scale)
+    else:
+        out = _sdpa_blocks(query, key, value, leave, pos, scale, state.query_block, dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def masked_eviction(
+    model: torch.nn.Module,
+    priority_fn: PriorityFn | None,
+    *,
+    sinks: int,
+    window: int,
+    k: int,
+    query_block: int = 1024,
+    backend: str = "auto",
+    keep_leave: bool = False,
+) -> Iterator[MaskedEvictionState]:
+    """While active, cache-free forwards of ``model`` attend under the eviction mask.
+
+    Each attention layer calls ``priority_fn(layer_idx, keys, values, positions)`` (post-RoPE
+    keys ``[b, kv_heads, S, d]``, values, logical token indices ``[b, S]``, ``-1`` = padding;
+    called under ``no_grad``, the result is detached) for the static priority ``[b, kv_heads, S]``
+    (fold any recency tilt ``lam * t`` into it), computes :func:`leave_steps` with ``sinks``,
+    ``window`` and ``k`` long-range slots, and attends with the per-KV-head mask (shared by the
+    query heads of each group). ``priority_fn`` may be ``None`` when ``k == 0`` (StreamingLLM:
+    ``window = B - sinks``). Gradients flow to the model's weights through the attention.
+
+    ``backend``: ``"sdpa"`` (boolean mask, ``query_block`` queries at a time to bound memory),
+    ``"flex"`` (FlexAttention, CUDA), or ``"auto"`` (flex on CUDA, else sdpa).
+    ``keep_leave``: record each layer's leave steps in the yielded state's ``leave``.
+    Padding: pass the usual 2-D ``attention_mask``; real tokens of a row get logical indices
+    ``0, 1, ...`` as in :class:`kvpop.KVpopCache` (left padding). The model's attention
+    implementation is restored on exit, also on errors.
+    """
+    _register()
+    sinks, k = _check_int("sinks", sinks), _check_int("k", k)
+    window = _check_int("window", window, lo=1)
+    query_block = _check_int("query_block", query_block, lo=1)
+    if backend not in ("auto", "sdpa", "flex"):
+        raise ValueError(f"backend must be 'auto', 'sdpa' or 'flex'; got {backend!r}")
+    if k > 0 and priority_fn is None:
+        raise ValueError("k > 0 long-range slots need a priority_fn (priority_fn=None is for k = 0)")
+    from .capture import _configs
+
+    state = MaskedEvictionState(priority_fn, sinks, window, k, query_block, backend, keep_leave, {} if keep_leave else None)
+    configs = _configs(model)
+    saved = [(c, c._attn_implementation_internal) for c in configs]
+    token = _ACTIVE.set(state)
+    try:
+        for c in configs:
+            c._attn_implementation_internal = MASK_ATTN_NAME
+        yield state
+    finally:
+        for c, v in saved:
+            c._attn_implementation_internal = v
+        _ACTIVE.reset(token)
