@@ -1,6 +1,7 @@
 """Training-time eviction mask: leave steps against the plain rule, masked attention against the physical cache."""
 
 import math
+import shutil
 import warnings
 
 import pytest
@@ -187,6 +188,34 @@ def test_masked_left_padding_equals_cache_and_single_rows(name):
     torch.testing.assert_close(got[:1], _masked_logits(model, ids[:1], fn), rtol=1e-5, atol=1e-5)
     shifted = _masked_logits(model, ids, fn, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0))
     torch.testing.assert_close(shifted[1:, 9:], _masked_logits(model, ids[1:, 9:], fn), rtol=1e-5, atol=1e-5)
+
+
+def test_query_blocks_do_not_change_the_result():
+    model = tiny_model("mistral")
+    ids = _ids(50, seed=9, rows=2)
+    am = torch.ones_like(ids)
+    am[0, :13] = 0
+    fn = learned_priority_fn(_scorer(model, "mlp"), WINDOW)
+    ref = _masked_logits(model, ids, fn, attention_mask=am, query_block=50)
+    valid = am.bool()
+    for block in (1, 7, 128):
+        got = _masked_logits(model, ids, fn, attention_mask=am, query_block=block)
+        torch.testing.assert_close(got[valid], ref[valid], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
+def test_flex_backend_equals_sdpa_backend():
+    # the CUDA path (FlexAttention mask_mod over the leave steps), compiled for the CPU here
+    model = tiny_model("llama")
+    ids = _ids(40, seed=10, rows=2)
+    am = torch.ones_like(ids)
+    am[1, :7] = 0
+    fn = learned_priority_fn(_scorer(model, "mlstm"), WINDOW, 0.01)
+    ref = _masked_logits(model, ids, fn, attention_mask=am, backend="sdpa")
+    got = _masked_logits(model, ids, fn, attention_mask=am, backend="flex")
+    valid = am.bool()
+    torch.testing.assert_close(got[valid], ref[valid], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["streaming", "mlp", "mlstm"])

@@ -251,7 +251,7 @@ class MaskedEvictionState:
     sinks: int
     window: int
     k: int
-    query_block: int = 1024
+    query_block: int = 128
     backend: str = "auto"
     keep_leave: bool = False
     leave: dict[int, Tensor] | None = None
@@ -283,7 +283,13 @@ def _register() -> None:
 
 
 def _sdpa_blocks(query, key, value, leave, pos, scale, block, dropout):
-    """CPU (and fallback) path: SDPA with a boolean mask, one block of queries at a time."""
+    """CPU (and fallback) path: SDPA with a boolean mask, one block of queries at a time.
+
+    A block of ``c`` queries only needs the keys that some query of it sees: those still held
+    at the block's first query (at most ``B`` of them) and the block's own. Each head gathers
+    its set (padded to the largest count of the batch), so the cost is ``O(S (B + c))``, not
+    ``O(S^2)``. Padding queries see every gathered key (their outputs are never used).
+    """
     b, hq, S, d = query.shape
     hk = key.shape[1]
     g = hq // hk
@@ -291,13 +297,22 @@ def _sdpa_blocks(query, key, value, leave, pos, scale, block, dropout):
     for q0 in range(0, S, block):
         q1 = min(S, q0 + block)
         c = q1 - q0
-        vis = visibility(leave[..., :q1], pos[:, q0:q1], pos[:, :q1])  # [b, hk, c, q1]
-        # the g query heads of a KV group side by side: [b, hk, g*c, d] against [b, hk, q1, d]
+        lq = pos[:, q0:q1].view(b, 1, c, 1)
+        lq_min = torch.where(lq >= 0, lq, NEVER).amin(dim=(1, 2, 3))  # first real query of each row's block
+        lv = leave[..., :q1]
+        sel = lv > lq_min.view(b, 1, 1)  # a superset of the keys any query of the block sees
+        n = max(1, int(sel.sum(-1).max()))
+        idx = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices[..., :n]  # [b, hk, n] in order
+        k_pos = torch.where(sel.gather(-1, idx), pos[:, :q1].unsqueeze(1).expand(b, hk, q1).gather(-1, idx), -1)
+        k_leave = lv.gather(-1, idx)
+        kk = key[:, :, :q1].gather(2, idx.unsqueeze(-1).expand(b, hk, n, d))
+        vv = value[:, :, :q1].gather(2, idx.unsqueeze(-1).expand(b, hk, n, value.shape[-1]))
+        lk = k_pos.unsqueeze(2)  # [b, hk, 1, n]
+        vis = ((lk >= 0) & (lk <= lq) & (lq < k_leave.unsqueeze(2))) | (lq < 0)  # [b, hk, c, n]
+        # the g query heads of a KV group side by side: [b, hk, g*c, d] against [b, hk, n, d]
         qv = query[:, :, q0:q1].reshape(b, hk, g * c, d)
-        mask = vis.unsqueeze(2).expand(b, hk, g, c, q1).reshape(b, hk, g * c, q1)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qv, key[:, :, :q1], value[:, :, :q1], attn_mask=mask, dropout_p=dropout, scale=scale
-        )
+        mask = vis.unsqueeze(2).expand(b, hk, g, c, n).reshape(b, hk, g * c, n)
+        out = torch.nn.functional.scaled_dot_product_attention(qv, kk, vv, attn_mask=mask, dropout_p=dropout, scale=scale)
         outs.append(out.view(b, hq, c, -1))
     return torch.cat(outs, 2)
 
@@ -384,7 +399,7 @@ def masked_eviction(
     sinks: int,
     window: int,
     k: int,
-    query_block: int = 1024,
+    query_block: int = 128,
     backend: str = "auto",
     keep_leave: bool = False,
 ) -> Iterator[MaskedEvictionState]:
@@ -398,7 +413,8 @@ def masked_eviction(
     query heads of each group). ``priority_fn`` may be ``None`` when ``k == 0`` (StreamingLLM:
     ``window = B - sinks``). Gradients flow to the model's weights through the attention.
 
-    ``backend``: ``"sdpa"`` (boolean mask, ``query_block`` queries at a time to bound memory),
+    ``backend``: ``"sdpa"`` (boolean mask, ``query_block`` queries at a time against the keys
+    they may see: time and memory ``O(S (B + query_block))`` per head),
     ``"flex"`` (FlexAttention, CUDA), or ``"auto"`` (flex on CUDA, else sdpa).
     ``keep_leave``: record each layer's leave steps in the yielded state's ``leave``.
     Padding: pass the usual 2-D ``attention_mask``; real tokens of a row get logical indices
