@@ -108,13 +108,17 @@ def _ids(n, seed=0, rows=1):
 
 def _scorer(model, kind, seed=7):
     c = model.config
-    return build_scorer(ScorerConfig(kind=kind, num_layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads,
-                                     head_dim=c.head_dim, seed=seed))
+    return build_scorer(
+        ScorerConfig(
+            kind=kind, num_layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim, seed=seed
+        )
+    )
 
 
 @torch.no_grad()
-def _cache_logits(model, ids, policy, lam=0.0, budget=BUDGET, window=WINDOW, sinks=SINKS, attention_mask=None,
-                  stepwise=False):
+def _cache_logits(
+    model, ids, policy, lam=0.0, budget=BUDGET, window=WINDOW, sinks=SINKS, attention_mask=None, stepwise=False
+):
     cache = kvpop.KVpopCache(model.config, budget=budget, window=window, sinks=sinks, policy=policy, lam=lam)
     if not stepwise:
         return model(input_ids=ids, attention_mask=attention_mask, cache=cache, use_cache=True).logits
@@ -165,8 +169,9 @@ def test_masked_equals_cache_token_by_token(name):
     else:
         sc = _scorer(model, name, seed=3)
         policy, fn = LearnedPolicy(sc), learned_priority_fn(sc, w, 0.02)
-    ref = _cache_logits(model, ids, policy, 0.0 if name == "streaming" else 0.02, budget=s + w + k, window=w, sinks=s,
-                        stepwise=True)
+    ref = _cache_logits(
+        model, ids, policy, 0.0 if name == "streaming" else 0.02, budget=s + w + k, window=w, sinks=s, stepwise=True
+    )
     got = _masked_logits(model, ids, fn, s, w, k)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
@@ -256,7 +261,9 @@ def test_keep_leave_and_restore():
     before = model.config._attn_implementation
     ids = _ids(32, seed=8)
     sc = _scorer(model, "mlp")
-    with masked_eviction(model, learned_priority_fn(sc, WINDOW), sinks=SINKS, window=WINDOW, k=K, keep_leave=True) as st_:
+    with masked_eviction(
+        model, learned_priority_fn(sc, WINDOW), sinks=SINKS, window=WINDOW, k=K, keep_leave=True
+    ) as st_:
         assert model.config._attn_implementation == MASK_ATTN_NAME
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)

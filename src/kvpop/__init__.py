@@ -6,9 +6,11 @@ from .policies import POLICIES, Policy, get_policy, register_policy
 
 __version__ = "0.1.0"
 
+from .adapters import AdapterMismatchError, load_adapter_bundle, lora_config, save_adapter_bundle
 from .capture import LayerCapture, collect
 from .checkpoint import load_scorer, save_scorer
 from .generate import GenerationResult, generate, make_cache
+from .mask import leave_steps, masked_eviction
 from .models import SUPPORTED_MODEL_TYPES, ModelLoadError, kv_bytes_per_token, load_model, model_summary
 from .targets import future_attention
 from .teacher import TeacherLabels, teacher_labels
@@ -16,6 +18,7 @@ from .teacher import TeacherLabels, teacher_labels
 __all__ = [
     "POLICIES",
     "SUPPORTED_MODEL_TYPES",
+    "AdapterMismatchError",
     "EvictionConfig",
     "GenerationResult",
     "KVpopCache",
@@ -29,11 +32,16 @@ __all__ = [
     "generate",
     "get_policy",
     "kv_bytes_per_token",
+    "leave_steps",
+    "load_adapter_bundle",
     "load_model",
     "load_scorer",
+    "lora_config",
     "make_cache",
+    "masked_eviction",
     "model_summary",
     "register_policy",
+    "save_adapter_bundle",
     "save_scorer",
     "teacher_labels",
 ]

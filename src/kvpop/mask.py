@@ -144,7 +144,7 @@ def visibility(leave: Tensor, q_pos: Tensor | None = None, k_pos: Tensor | None 
     indices of queries and keys (``-1`` = padding; default ``arange``). A padding query sees only
     the key at its own position (so no attention row is empty).
     """
-    b, h, K = leave.shape
+    b, _, K = leave.shape
     if k_pos is None:
         k_pos = torch.arange(K, device=leave.device).expand(b, K)
     if q_pos is None:
@@ -312,7 +312,9 @@ def _sdpa_blocks(query, key, value, leave, pos, scale, block, dropout):
         # the g query heads of a KV group side by side: [b, hk, g*c, d] against [b, hk, n, d]
         qv = query[:, :, q0:q1].reshape(b, hk, g * c, d)
         mask = vis.unsqueeze(2).expand(b, hk, g, c, n).reshape(b, hk, g * c, n)
-        out = torch.nn.functional.scaled_dot_product_attention(qv, kk, vv, attn_mask=mask, dropout_p=dropout, scale=scale)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qv, kk, vv, attn_mask=mask, dropout_p=dropout, scale=scale
+        )
         outs.append(out.view(b, hq, c, -1))
     return torch.cat(outs, 2)
 
@@ -343,7 +345,7 @@ def _masked_attention(module, query, key, value, attention_mask, dropout: float 
     if state is None:
         raise RuntimeError(f"the {MASK_ATTN_NAME!r} attention runs only inside kvpop.mask.masked_eviction(...)")
     layer = getattr(module, "layer_idx", None)
-    b, hq, S, d = query.shape
+    b, _, S, d = query.shape
     hk = key.shape[1]
     if key.shape[2] != S:
         raise RuntimeError("masked_eviction expects a cache-free forward over the whole sequence (use_cache=False)")
@@ -351,7 +353,9 @@ def _masked_attention(module, query, key, value, attention_mask, dropout: float 
         raise ValueError(f"masked_eviction does not support attention modifiers {_UNSUPPORTED}")
     sw = kwargs.get("sliding_window")
     if sw is not None and S > sw:
-        raise ValueError(f"layer {layer} uses sliding-window attention ({sw} < S={S}); masked_eviction assumes full causal attention")
+        raise ValueError(
+            f"layer {layer} uses sliding-window attention ({sw} < S={S}); masked_eviction assumes full causal attention"
+        )
     if attention_mask is not None and attention_mask.ndim != 2:
         raise ValueError("masked_eviction expects a 2-D padding mask [batch, S]")
     if not module.training:
@@ -431,7 +435,9 @@ def masked_eviction(
         raise ValueError("k > 0 long-range slots need a priority_fn (priority_fn=None is for k = 0)")
     from .capture import _configs
 
-    state = MaskedEvictionState(priority_fn, sinks, window, k, query_block, backend, keep_leave, {} if keep_leave else None)
+    state = MaskedEvictionState(
+        priority_fn, sinks, window, k, query_block, backend, keep_leave, {} if keep_leave else None
+    )
     configs = _configs(model)
     saved = [(c, c._attn_implementation_internal) for c in configs]
     token = _ACTIVE.set(state)

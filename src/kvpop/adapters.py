@@ -1,0 +1,262 @@
+"""LoRA adapters for the LLM (method.md section 5, "Adapting the LLM"), via ``peft``.
+
+The joint stage fine-tunes the LLM with a KL loss: the student is the model attending under
+the eviction mask (:func:`kvpop.mask.masked_eviction`), the teacher the same base model
+attending densely. With LoRA both live in one model: the adapter on is the student,
+:func:`teacher_mode` (peft's ``disable_adapter``) is the base model, bit for bit.
+
+An *adapter bundle* is a folder::
+
+    adapter_config.json, adapter_model.safetensors   the peft adapter (save_pretrained)
+    scorer.safetensors                               optional scorer (kvpop.checkpoint.save_scorer)
+    kvpop_adapter.json                               format, base-model fingerprint, user metadata
+
+It is written to a temporary folder next to the destination and renamed into place, so a
+failed save leaves an existing bundle intact. Loading it onto a base model other than the one
+it was trained on raises :class:`AdapterMismatchError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from .checkpoint import load_scorer, model_fingerprint, save_scorer
+
+__all__ = [
+    "ADAPTER_META_FILE",
+    "DEFAULT_LORA_TARGETS",
+    "SCORER_FILE",
+    "AdapterBundle",
+    "AdapterMismatchError",
+    "add_lora",
+    "base_fingerprint",
+    "load_adapter_bundle",
+    "lora_config",
+    "read_bundle_meta",
+    "save_adapter_bundle",
+    "teacher_mode",
+]
+
+FORMAT = "kvpop-adapter-v1"
+ADAPTER_META_FILE = "kvpop_adapter.json"
+SCORER_FILE = "scorer.safetensors"
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class AdapterMismatchError(ValueError):
+    """The adapter bundle was trained on a different base model."""
+
+
+class AdapterBundle(NamedTuple):
+    """What :func:`load_adapter_bundle` returns: the adapted model, the bundled scorer (or None), the metadata."""
+
+    model: Any
+    scorer: Any
+    meta: dict
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError as exc:  # declared dependency; say what to do if it is missing
+        raise ImportError("kvpop adapters need peft: pip install peft") from exc
+    return peft
+
+
+def _is_peft(model) -> bool:
+    return isinstance(model, _peft().PeftModel)
+
+
+def lora_config(
+    r: int = 16,
+    alpha: float | None = None,
+    targets: Sequence[str] = DEFAULT_LORA_TARGETS,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    """A ``peft.LoraConfig`` for a causal LM: rank ``r``, ``lora_alpha = alpha`` (default ``2 r``),
+    on the attention and MLP projections by default. ``kwargs`` go to ``LoraConfig``."""
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ValueError(f"r must be an int >= 1; got {r!r}")
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    targets = list(targets)
+    if not targets:
+        raise ValueError("targets must name at least one module")
+    return _peft().LoraConfig(
+        r=r,
+        lora_alpha=float(2 * r if alpha is None else alpha),
+        target_modules=targets,
+        lora_dropout=float(dropout),
+        bias="none",
+        task_type="CAUSAL_LM",
+        **kwargs,
+    )
+
+
+def add_lora(model, config=None):
+    """Wrap ``model`` in a ``peft`` model with a fresh LoRA adapter (``lora_config()`` by default).
+
+    The base weights are frozen; only the adapter's weights train. The base model is modified in
+    place (LoRA layers are injected into it).
+    """
+    if _is_peft(model):
+        raise TypeError("model already carries a peft adapter")
+    return _peft().get_peft_model(model, config if config is not None else lora_config())
+
+
+@contextlib.contextmanager
+def teacher_mode(model) -> Iterator[Any]:
+    """Run the base model (the distillation teacher) from an adapted one: the adapter is off inside.
+
+    ``model`` must be a ``peft`` model with its adapter not merged (merged weights cannot be
+    switched off). Outside the context the adapter is on (the student).
+    """
+    if not _is_peft(model):
+        raise TypeError(
+            "teacher_mode needs a peft model (kvpop.adapters.add_lora or load_adapter_bundle with merge=False)"
+        )
+    with model.disable_adapter():
+        yield model
+
+
+class _BaseView:
+    """The base model as ``model_fingerprint`` sees it: peft wrappers and LoRA weights hidden."""
+
+    def __init__(self, model):
+        self.config = model.config
+        self._model = model.get_base_model() if _is_peft(model) else model
+
+    def named_parameters(self):
+        for name, p in self._model.named_parameters():
+            if "lora_" in name:
+                continue
+            yield name.replace(".base_layer.", "."), p
+
+
+def base_fingerprint(model) -> dict[str, Any]:
+    """``kvpop.checkpoint.model_fingerprint`` of the base model, also through a peft wrapper."""
+    return model_fingerprint(_BaseView(model))
+
+
+# --------------------------------------------------------------------------------------------
+# bundles
+# --------------------------------------------------------------------------------------------
+
+
+def _atomic_dir(path: Path, write) -> None:
+    """``write(tmp_dir)``, then move ``tmp_dir`` to ``path`` (replacing a previous bundle there)."""
+    parent = path.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a bundle should be as readable as any folder
+    try:
+        write(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if path.exists():
+            old = parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(path, old)
+            try:
+                os.rename(tmp, path)
+            except BaseException:
+                os.rename(old, path)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_adapter_bundle(peft_model, scorer=None, path: str | os.PathLike = "adapter", meta: dict | None = None) -> Path:
+    """Write an adapter bundle to the folder ``path`` (atomically; see the module doc).
+
+    ``peft_model``: a ``peft`` model (its adapters are saved with ``save_pretrained``).
+    ``scorer``: an optional ``ScorerStack`` trained with it. ``meta``: JSON-serialisable metadata
+    (budget, window, sinks, lam, steps, ...), stored with the base model's fingerprint. An
+    existing folder at ``path`` is replaced only if it is a kvpop adapter bundle.
+    """
+    if not _is_peft(peft_model):
+        raise TypeError(f"save_adapter_bundle needs a peft model; got {type(peft_model).__name__}")
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not (path / ADAPTER_META_FILE).is_file())):
+        raise FileExistsError(f"{path} exists and is not a kvpop adapter bundle; refusing to replace it")
+    meta = dict(meta or {})
+    fingerprint = base_fingerprint(peft_model)
+    cfg = peft_model.peft_config.get(peft_model.active_adapter)
+    header = {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "peft_type": str(getattr(cfg, "peft_type", "")),
+        "scorer": SCORER_FILE if scorer is not None else None,
+        "meta": meta,
+    }
+    text = json.dumps(header, indent=2, sort_keys=True)  # fail before writing anything if meta is not JSON
+
+    def write(tmp: Path) -> None:
+        peft_model.save_pretrained(str(tmp))
+        if scorer is not None:
+            save_scorer(scorer, tmp / SCORER_FILE, meta={**meta, "fingerprint": fingerprint})
+        (tmp / ADAPTER_META_FILE).write_text(text + "\n", encoding="utf-8")
+
+    _atomic_dir(path, write)
+    return path
+
+
+def read_bundle_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``kvpop_adapter.json`` of a bundle (format checked)."""
+    path = Path(path)
+    f = path / ADAPTER_META_FILE
+    if not f.is_file():
+        raise FileNotFoundError(f"{path} is not a kvpop adapter bundle (no {ADAPTER_META_FILE})")
+    header = json.loads(f.read_text(encoding="utf-8"))
+    if header.get("format") != FORMAT:
+        raise ValueError(f"{f}: unknown adapter bundle format {header.get('format')!r}, expected {FORMAT!r}")
+    return header
+
+
+def load_adapter_bundle(
+    model, path: str | os.PathLike, *, merge: bool = False, trainable: bool = False
+) -> AdapterBundle:
+    """Put the bundle's adapter onto ``model`` (the plain base model; modified in place).
+
+    Returns ``AdapterBundle(model, scorer, meta)``: ``model`` is a ``peft`` model (adapter on;
+    :func:`teacher_mode` turns it off), or with ``merge=True`` the plain model with the LoRA
+    weights merged into its base weights (faster inference, no teacher). ``scorer`` is the
+    bundled ``ScorerStack`` or ``None``; ``meta`` the bundle's ``kvpop_adapter.json``.
+    ``trainable=True`` loads the adapter for further training. Raises
+    :class:`AdapterMismatchError` (before touching the model) if the bundle was trained on a
+    different base model.
+    """
+    path = Path(path)
+    header = read_bundle_meta(path)
+    if _is_peft(model):
+        raise TypeError("load_adapter_bundle needs the plain base model; this one already carries a peft adapter")
+    want, got = header.get("fingerprint", {}), base_fingerprint(model)
+    diff = {k: (want.get(k), got.get(k)) for k in want if want.get(k) != got.get(k)}
+    if diff:
+        details = ", ".join(f"{k}: trained {a!r} vs this model {b!r}" for k, (a, b) in diff.items())
+        raise AdapterMismatchError(f"adapter bundle {path} was trained on a different base model ({details})")
+    was_training = model.training
+    peft_model = _peft().PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+    if not trainable and not was_training:
+        peft_model.eval()
+    out = peft_model.merge_and_unload() if merge else peft_model
+    scorer = None
+    if header.get("scorer"):
+        scorer, _ = load_scorer(path / header["scorer"])
+    return AdapterBundle(out, scorer, header)

@@ -1,0 +1,209 @@
+"""LoRA adapter bundles: round trip, base-model check, atomic writes, teacher/student, gradients under the mask."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import kvpop
+from kvpop.adapters import (
+    ADAPTER_META_FILE,
+    DEFAULT_LORA_TARGETS,
+    SCORER_FILE,
+    AdapterMismatchError,
+    add_lora,
+    base_fingerprint,
+    load_adapter_bundle,
+    lora_config,
+    read_bundle_meta,
+    save_adapter_bundle,
+    teacher_mode,
+)
+from kvpop.checkpoint import model_fingerprint
+from kvpop.mask import learned_priority_fn, masked_eviction
+from kvpop.policies import LearnedPolicy
+from kvpop.scorers import ScorerConfig, build_scorer
+from kvpop.testing import save_tiny_model, tiny_model
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+IDS = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:40].view(1, 40)
+
+
+def _logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def _scorer(seed=3):
+    return build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16, seed=seed))
+
+
+def _adapted(seed=0, r=4):
+    """A tiny Llama with a LoRA adapter whose B matrices are random (a fresh adapter is the identity)."""
+    model = add_lora(tiny_model("llama", seed=seed), lora_config(r=r))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def test_lora_config_defaults():
+    cfg = lora_config()
+    assert set(cfg.target_modules) == set(DEFAULT_LORA_TARGETS)
+    assert (cfg.r, cfg.lora_alpha) == (16, 32.0)
+    cfg = lora_config(r=4, alpha=1.0, targets="q_proj, v_proj")
+    assert set(cfg.target_modules) == {"q_proj", "v_proj"} and cfg.lora_alpha == 1.0
+    with pytest.raises(ValueError):
+        lora_config(r=0)
+
+
+def test_add_lora_freezes_base_and_teacher_mode_is_the_base_model():
+    base = _logits(tiny_model("llama"))
+    model = _adapted()
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    student = _logits(model)
+    assert (student - base).abs().max() > 1e-3
+    with teacher_mode(model):
+        assert torch.equal(_logits(model), base)
+    assert torch.equal(_logits(model), student)  # the adapter is back on
+    assert base_fingerprint(model) == model_fingerprint(tiny_model("llama"))
+    with pytest.raises(TypeError), teacher_mode(tiny_model("llama")):
+        pass
+
+
+def test_bundle_round_trip(tmp_path):
+    model = _adapted()
+    scorer = _scorer()
+    want = _logits(model)
+    path = save_adapter_bundle(model, scorer, tmp_path / "bundle", {"budget": 20, "window": 6})
+    names = {p.name for p in path.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", SCORER_FILE, ADAPTER_META_FILE} <= names
+    meta = read_bundle_meta(path)
+    assert meta["meta"] == {"budget": 20, "window": 6}
+    assert meta["fingerprint"] == model_fingerprint(tiny_model("llama"))
+
+    got, sc, meta2 = load_adapter_bundle(tiny_model("llama"), path)
+    assert meta2 == meta
+    assert torch.equal(_logits(got), want)
+    assert not got.training
+    for a, b in zip(sc.state_dict().values(), scorer.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    with teacher_mode(got):
+        assert torch.equal(_logits(got), _logits(tiny_model("llama")))
+
+    merged = load_adapter_bundle(tiny_model("llama"), path, merge=True).model
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(_logits(merged), want, rtol=1e-5, atol=1e-5)
+
+    # without a scorer
+    p2 = save_adapter_bundle(model, None, tmp_path / "no_scorer")
+    assert not (p2 / SCORER_FILE).exists()
+    assert load_adapter_bundle(tiny_model("llama"), p2).scorer is None
+
+
+def test_wrong_base_model_refused(tmp_path):
+    path = save_adapter_bundle(_adapted(), None, tmp_path / "bundle")
+    other = tiny_model("llama", seed=1)
+    with pytest.raises(AdapterMismatchError, match="different base model"):
+        load_adapter_bundle(other, path)
+    assert not any("lora_" in n for n, _ in other.named_parameters())  # refused before touching it
+    with pytest.raises(AdapterMismatchError, match="num_layers"):
+        load_adapter_bundle(tiny_model("llama", num_hidden_layers=3), path)
+    assert issubclass(AdapterMismatchError, ValueError)
+    with pytest.raises(TypeError):
+        load_adapter_bundle(_adapted(), path)
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    first = _adapted()
+    path = save_adapter_bundle(first, _scorer(), tmp_path / "bundle", {"run": 1})
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+
+    second = add_lora(tiny_model("llama"), lora_config(r=2))
+
+    def broken(self, save_directory, **kw):
+        with open(f"{save_directory}/adapter_model.safetensors", "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(second), "save_pretrained", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save_adapter_bundle(second, None, path, {"run": 2})
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]  # no temp folder left behind
+    with pytest.raises(TypeError):  # meta must be JSON: fails before anything is written
+        save_adapter_bundle(first, None, path, {"bad": object()})
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    monkeypatch.undo()
+
+    # a successful save replaces the bundle
+    save_adapter_bundle(second, None, path, {"run": 2})
+    assert read_bundle_meta(path)["meta"] == {"run": 2}
+    assert not (path / SCORER_FILE).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle"]
+
+    # a folder that is not a bundle is never replaced
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        save_adapter_bundle(second, None, other)
+    assert (other / "notes.txt").read_text() == "keep me"
+
+
+def test_lora_gradients_under_masked_eviction():
+    model = _adapted()
+    scorer = _scorer()
+    fn = learned_priority_fn(scorer, 6, 0.01)
+    with teacher_mode(model):
+        teacher = _logits(model)  # dense base model
+    model.train()
+    with masked_eviction(model, fn, sinks=2, window=6, k=12):
+        student = model(input_ids=IDS, use_cache=False).logits
+    loss = torch.nn.functional.kl_div(
+        torch.log_softmax(student, -1), torch.log_softmax(teacher, -1), log_target=True, reduction="batchmean"
+    )
+    loss.backward()
+    lora = {n: p.grad for n, p in model.named_parameters() if "lora_" in n}
+    assert lora and all(g is not None and torch.isfinite(g).all() for g in lora.values())
+    assert sum(float(g.abs().sum()) for n, g in lora.items() if "lora_A" in n) > 0
+    assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+    assert all(p.grad is None for p in scorer.parameters())
+    # the adapted model under the mask is the adapted model under the physical cache
+    model.eval()
+    with torch.no_grad():
+        cache = kvpop.KVpopCache(model.config, budget=20, window=6, sinks=2, policy=LearnedPolicy(scorer), lam=0.01)
+        ref = model(input_ids=IDS, cache=cache, use_cache=True).logits
+    torch.testing.assert_close(student.detach(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_load_model_with_adapter(tmp_path):
+    save_tiny_model(tmp_path / "base", seed=0)
+    base, _ = kvpop.load_model(tmp_path / "base", progress=False)
+    adapted = _adapted()
+    want = _logits(adapted)
+    save_adapter_bundle(adapted, _scorer(), tmp_path / "bundle", {"note": "x"})
+
+    model, _ = kvpop.load_model(tmp_path / "base", adapter=tmp_path / "bundle", progress=False)
+    assert torch.equal(_logits(model), want)
+    assert model.kvpop_adapter.meta["meta"] == {"note": "x"}
+    assert model.kvpop_adapter.scorer is not None
+    assert not any("mlp.w1" in n or n.endswith(".w1") for n, _ in model.named_parameters())
+    with teacher_mode(model):
+        assert torch.equal(_logits(model), _logits(base))
+    json.dumps(model.kvpop_adapter.meta)
+
+    merged, _ = kvpop.load_model(tmp_path / "base", adapter=tmp_path / "bundle", merge=True, progress=False)
+    torch.testing.assert_close(_logits(merged), want, rtol=1e-5, atol=1e-5)
+
+    save_tiny_model(tmp_path / "other", seed=5)
+    with pytest.raises(AdapterMismatchError):
+        kvpop.load_model(tmp_path / "other", adapter=tmp_path / "bundle", progress=False)
+    with pytest.raises(ValueError, match="adapter"):
+        kvpop.load_model(tmp_path / "base", merge=True, progress=False)
