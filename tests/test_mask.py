@@ -209,6 +209,7 @@ def test_query_blocks_do_not_change_the_result():
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor needs a C++ compiler")
 def test_flex_backend_equals_sdpa_backend():
     # the CUDA path (FlexAttention mask_mod over the leave steps), compiled for the CPU here

@@ -15,6 +15,12 @@ mask, per KV head: the logits equal those of the same tokens fed through
 weights (the priorities are computed without gradient). Ready-made priority functions:
 :func:`streaming_priority_fn`, :func:`learned_priority_fn`, :func:`oracle_priority_fn`.
 
+"Equal" is to float tolerance, decision for decision, as long as no two priorities lie within
+float rounding of each other: the cache scores exits chunk by chunk from keys that went through
+differently shaped kernels, so a near-tie (seen on SmolLM2-135M with the shipped MLP scorer:
+two priorities ~1e-6 apart in one head of one layer) may be broken the other way, and the
+logits after that step differ by more (~1e-2 there). Exact ties follow the same rule in both.
+
 How leave steps are computed. Competitor ``t >= sinks`` exits at ``e_t = t + window``. It
 leaves at its exit if ``k`` tokens ranked above it exited before, else at the exit of the
 ``k``-th token ranked above it, in index order: with ``u_k(t)`` the ``k``-th smallest index
