@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import ExitBatch, Policy
+from .base import ExitBatch, Policy, map_state
 from .h2o import H2OPolicy
 from .knorm import KnormPolicy
 from .learned import LearnedPolicy, learned_policy_factory
@@ -54,5 +54,6 @@ __all__ = [
     "StreamingPolicy",
     "TovaPolicy",
     "get_policy",
+    "map_state",
     "register_policy",
 ]
