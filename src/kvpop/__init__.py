@@ -1,5 +1,6 @@
 """kvpop: a fixed-size KV cache for transformers by learned eviction (KVpop)."""
 
+from .attention import detach
 from .cache import KVpopCache, KVpopLayer
 from .config import EvictionConfig
 from .policies import POLICIES, Policy, get_policy, register_policy
@@ -25,6 +26,7 @@ __all__ = [
     "Policy",
     "TeacherLabels",
     "collect",
+    "detach",
     "future_attention",
     "generate",
     "get_policy",

@@ -19,7 +19,7 @@ import time
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import attach
+from .attention import KVpopOffset, attach
 from .config import EvictionConfig, attention_shape
 from . import rule
 from .policies import ExitBatch, Policy, get_policy, map_state
@@ -84,7 +84,7 @@ class KVpopLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The model builds its padding mask against all tokens seen; kvpop reads the new tokens' part.
-        return self.seen + query_length, 0
+        return self.seen + query_length, KVpopOffset()
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -395,8 +395,9 @@ class KVpopCache(Cache):
         cache = kvpop.KVpopCache(model.config, budget=512, window=64, policy="knorm")
         model.generate(**inputs, cache=cache, max_new_tokens=2000)
 
-    Creating the cache switches ``model.config``'s attention implementation to ``"kvpop"``,
-    which behaves exactly like the previous one for any other cache.
+    Creating the cache switches ``model.config``'s attention implementation to ``"kvpop"``
+    and leaves it so: for any other cache (or none) that routing is a no-op, bit for bit, also
+    after this cache is gone. ``kvpop.detach(model.config)`` restores the previous name.
     """
 
     def __init__(
