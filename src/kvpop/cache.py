@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import KVpopOffset, attach
-from .config import EvictionConfig, attention_shape
+from .config import EvictionConfig, attention_shape, check_full_attention
 from . import rule
 from .policies import ExitBatch, Policy, get_policy, map_state
 from .rule import NEVER, decide_chunk
@@ -416,6 +416,7 @@ class KVpopCache(Cache):
         eviction: EvictionConfig | None = None,
         **policy_kwargs,
     ):
+        check_full_attention(config)
         if eviction is None:
             eviction = EvictionConfig.from_budget(
                 budget,
