@@ -82,3 +82,14 @@ def test_scorer_without_fingerprint_still_checks_shapes():
 
     with pytest.raises(ScorerMismatchError, match="built for 3 layers"):
         KVpopCache(tiny_config("llama"), policy=LearnedPolicy(build_scorer(cfg)), **KW)
+
+
+def test_make_cache_checks_the_weights_of_the_model_it_is_given(tmp_path):
+    from kvpop import make_cache
+
+    model, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    path = _scorer_for(model, tmp_path / "s.safetensors")
+    assert make_cache(model, "dense", budget=16) is None
+    assert make_cache(model, "kvpop-mlp", path=path, **KW).budget == 16
+    with pytest.raises(ScorerMismatchError, match="weights_sha256"):
+        make_cache(other, "kvpop-mlp", path=path, **KW)

@@ -1,20 +1,22 @@
 """kvpop: a fixed-size KV cache for transformers by learned eviction (KVpop)."""
 
 from .attention import detach
-from .cache import KVpopCache, KVpopLayer
+from .cache import KVpopCache, KVpopLayer, make_cache
 from .config import EvictionConfig
-from .policies import POLICIES, Policy, get_policy, register_policy
+from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy, get_policy, policy_names, register_policy
 
 __version__ = "0.1.0"
 
 from .capture import LayerCapture, collect
 from .checkpoint import load_scorer, save_scorer
-from .generate import GenerationResult, generate, make_cache
+from .generate import GenerationResult, generate
 from .models import SUPPORTED_MODEL_TYPES, ModelLoadError, kv_bytes_per_token, load_model, model_summary
 from .targets import future_attention
 from .teacher import TeacherLabels, teacher_labels
 
 __all__ = [
+    "DEFAULT_POLICY",
+    "DENSE",
     "POLICIES",
     "SUPPORTED_MODEL_TYPES",
     "EvictionConfig",
@@ -35,6 +37,7 @@ __all__ = [
     "load_scorer",
     "make_cache",
     "model_summary",
+    "policy_names",
     "register_policy",
     "save_scorer",
     "teacher_labels",

@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .attention import KVpopOffset, attach
 from .config import EvictionConfig, attention_shape, check_full_attention
 from . import rule
-from .policies import ExitBatch, Policy, get_policy, map_state
+from .policies import DENSE, LEARNED_POLICIES, ExitBatch, Policy, get_policy, map_state
 from .rule import NEVER, decide_chunk
 
 _PENDING = "_kvpop_layer"
@@ -457,3 +457,35 @@ class KVpopCache(Cache):
     def __repr__(self) -> str:
         e = self.eviction
         return f"KVpopCache(sinks={e.sinks}, window={e.window}, k={e.k}, budget={e.budget}, policy={self.policy!r})"
+
+
+def make_cache(
+    model,
+    policy: str | Policy = "knorm",
+    *,
+    budget: int | None = None,
+    k: int | None = None,
+    compression: float | None = None,
+    reference_length: int | None = None,
+    window: int | None = None,
+    sinks: int = 4,
+    lam: float = 0.0,
+    prefill_chunk: int | None = None,
+    eviction: EvictionConfig | None = None,
+    **policy_kwargs,
+) -> KVpopCache | None:
+    """A cache for ``model`` under ``policy``: ``None`` for ``"dense"`` (transformers' own cache).
+
+    The one place that builds a cache from a policy name (``kvpop.generate``, the evaluation,
+    the benchmarks and the CLI all call it). Unlike ``KVpopCache(model.config, ...)`` it has the
+    model, so a learned policy also checks its checkpoint's weight hash, not only the config.
+    ``policy_kwargs`` go to the policy factory (e.g. ``path=`` a scorer checkpoint, ``seed=``).
+    """
+    if isinstance(policy, str) and policy == DENSE:
+        return None
+    if isinstance(policy, str) and policy in LEARNED_POLICIES:
+        policy_kwargs.setdefault("model", model)
+    return KVpopCache(
+        model.config, budget, k=k, compression=compression, reference_length=reference_length, window=window,
+        sinks=sinks, policy=policy, lam=lam, prefill_chunk=prefill_chunk, eviction=eviction, **policy_kwargs,
+    )  # fmt: skip

@@ -7,7 +7,9 @@ import json
 import sys
 import time
 
-EVICTION_POLICIES = ["dense", "streaming", "tova", "h2o", "snapkv", "knorm", "random", "kvpop", "kvpop-mlp"]
+from .policies import policy_names
+
+EVICTION_POLICIES = policy_names(teacher_forced=False)  # dense + every policy that can generate
 
 
 def _human(n: float) -> str:

@@ -11,11 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import KVpopCache
+from .cache import KVpopCache, make_cache
 from .models import kv_bytes_per_token
-from .policies import POLICIES, Policy
-
-DENSE = "dense"
+from .policies import DENSE, POLICIES, Policy
 
 
 @dataclass
@@ -34,13 +32,6 @@ class GenerationResult:
 
 def dense_kv_bytes(config, batch: int, tokens: int, dtype: torch.dtype) -> int:
     return kv_bytes_per_token(config, dtype) * batch * tokens
-
-
-def make_cache(model, policy: str | Policy = "knorm", **budget) -> KVpopCache | None:
-    """A :class:`KVpopCache` for ``model`` (``None`` for ``policy='dense'``)."""
-    if isinstance(policy, str) and policy == DENSE:
-        return None
-    return KVpopCache(model.config, policy=policy, **budget)
 
 
 @torch.no_grad()

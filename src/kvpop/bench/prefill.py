@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .common import make_cache, median, text_ids, write_json
+from .common import cache_for_spec, median, text_ids, write_json
 
 
 @torch.no_grad()
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {s: [] for s in specs}
     for _ in range(args.repeats):
         for spec in specs:
-            cache = make_cache(model, spec)
+            cache = cache_for_spec(model, spec)
             t0 = time.perf_counter()
             model(ids, cache=cache)
             times[spec].append(time.perf_counter() - t0)
