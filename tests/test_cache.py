@@ -184,7 +184,7 @@ def test_right_padding_is_refused():
     ids = torch.randint(1, 128, (2, 10))
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0
-    cache = KVpopCache(model.config, budget=16, window=4)
+    cache = KVpopCache(model.config, budget=16, window=4, policy="knorm")
     with pytest.raises(ValueError, match="left padding"):
         model(ids, attention_mask=mask, past_key_values=cache)
 

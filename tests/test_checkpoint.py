@@ -76,6 +76,20 @@ def test_shipped_scorer_refuses_a_tiny_model(name):
         KVpopCache(tiny_model("llama").config, policy=name, **KW)
 
 
+def test_default_policy_is_the_shipped_scorer_and_refuses_a_tiny_model():
+    """KVpopCache, make_cache and kvpop.generate default to policy "kvpop"; on a model it was not
+    trained for that is a clear error before any work."""
+    import kvpop
+    from kvpop.testing import tiny_tokenizer
+
+    model = tiny_model("qwen2")
+    for build in (lambda: KVpopCache(model.config, **KW), lambda: kvpop.make_cache(model, **KW),
+                  lambda: kvpop.generate(model, tiny_tokenizer(), "hello", max_new_tokens=2, **KW)):  # fmt: skip
+        with pytest.raises(ScorerMismatchError, match=r"smollm2-135m-instruct-mlstm.*model_type: trained 'llama'"):
+            build()
+    assert kvpop.DEFAULT_POLICY == "kvpop"
+
+
 def test_scorer_without_fingerprint_still_checks_shapes():
     cfg = ScorerConfig(kind="mlstm", num_layers=3, kv_heads=2, head_dim=16)
     from kvpop.policies import LearnedPolicy

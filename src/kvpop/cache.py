@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .attention import KVpopOffset, attach
 from .config import EvictionConfig, attention_shape, check_full_attention
 from . import rule
-from .policies import DENSE, LEARNED_POLICIES, ExitBatch, Policy, get_policy, map_state
+from .policies import DEFAULT_POLICY, DENSE, LEARNED_POLICIES, ExitBatch, Policy, get_policy, map_state
 from .rule import NEVER, decide_chunk
 
 _PENDING = "_kvpop_layer"
@@ -392,8 +392,12 @@ class KVpopCache(Cache):
 
     Example::
 
-        cache = kvpop.KVpopCache(model.config, budget=512, window=64, policy="knorm")
+        cache = kvpop.KVpopCache(model.config, budget=512, window=64)  # policy="kvpop": the shipped mLSTM scorer
         model.generate(**inputs, cache=cache, max_new_tokens=2000)
+
+    The default policy ``"kvpop"`` loads the scorer shipped for SmolLM2-135M-Instruct; on any other
+    model it raises ``ScorerMismatchError`` (train one with ``kvpop train`` and pass ``path=``, or
+    name a heuristic policy such as ``"h2o"``).
 
     Creating the cache switches ``model.config``'s attention implementation to ``"kvpop"``
     and leaves it so: for any other cache (or none) that routing is a no-op, bit for bit, also
@@ -410,7 +414,7 @@ class KVpopCache(Cache):
         reference_length: int | None = None,
         window: int | None = None,
         sinks: int = 4,
-        policy: str | Policy = "knorm",
+        policy: str | Policy = DEFAULT_POLICY,
         lam: float = 0.0,
         prefill_chunk: int | None = None,
         eviction: EvictionConfig | None = None,
@@ -461,7 +465,7 @@ class KVpopCache(Cache):
 
 def make_cache(
     model,
-    policy: str | Policy = "knorm",
+    policy: str | Policy = DEFAULT_POLICY,
     *,
     budget: int | None = None,
     k: int | None = None,

@@ -13,7 +13,7 @@ import torch
 
 from .cache import KVpopCache, make_cache
 from .models import kv_bytes_per_token
-from .policies import DENSE, POLICIES, Policy
+from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy
 
 
 @dataclass
@@ -40,7 +40,7 @@ def generate(
     tokenizer,
     prompt: str | list[str],
     *,
-    policy: str | Policy = "knorm",
+    policy: str | Policy = DEFAULT_POLICY,
     budget: int | None = None,
     k: int | None = None,
     compression: float | None = None,
