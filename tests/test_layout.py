@@ -43,3 +43,12 @@ def test_caches_are_built_in_one_place():
                 assert name != "KVpopCache", f"{f.relative_to(SRC)}:{node.lineno} builds a KVpopCache; use make_cache"
             if isinstance(node, ast.FunctionDef):
                 assert node.name != "make_cache", f"{f.relative_to(SRC)} defines another make_cache"
+
+
+def test_pyproject_license_is_an_spdx_string():
+    """A TOML-table license makes setuptools print deprecation warnings at every install."""
+    import tomllib
+
+    meta = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+    assert any(r.startswith("setuptools>=77") for r in meta["build-system"]["requires"])  # PEP 639 support
