@@ -219,11 +219,7 @@ def test_cli_on_saved_tiny_model(tmp_path, capsys):
     assert main(["--out", str(out), "--compression", "0"]) == 2  # no eviction is policy dense, not compression 0
 
 
-def test_scorer_flag_and_missing_learned_scorer_is_skipped(tmp_path):
-    from kvpop.evaluate.cli import build_parser, config_from_args
-
-    args = build_parser().parse_args(["--out", "x", "--scorer", "kvpop=/a", "--scorer", "/b"])
-    assert config_from_args(args).policy_kwargs == {"kvpop": {"path": "/a"}, "kvpop-mlp": {"path": "/b"}}
+def test_missing_learned_scorer_is_skipped(tmp_path):
     model = tiny_model("llama")
     cfg = _small_cfg(tasks=("lm",), policies=("dense", "kvpop-mlp"), compressions=(0.75,),
                      policy_kwargs={"kvpop-mlp": {"path": str(tmp_path / "missing.safetensors")}})  # fmt: skip

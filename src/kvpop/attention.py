@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Self
 
 import torch
 from transformers import AttentionInterface
@@ -51,7 +52,7 @@ class KVpopOffset(int):
     """The ``kv_offset`` a KVpop layer reports from ``get_mask_sizes`` (always 0): it tells
     :func:`kvpop_mask` that the mask is for a KVpop cache, which only needs the 2D padding mask."""
 
-    def __new__(cls) -> KVpopOffset:
+    def __new__(cls) -> Self:
         return super().__new__(cls, 0)
 
 

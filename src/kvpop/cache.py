@@ -19,9 +19,9 @@ import time
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import rule
 from .attention import KVpopOffset, attach
 from .config import EvictionConfig, attention_shape, check_full_attention
-from . import rule
 from .policies import DEFAULT_POLICY, DENSE, LEARNED_POLICIES, ExitBatch, Policy, get_policy, map_state
 from .rule import NEVER, decide_chunk
 

@@ -140,6 +140,14 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
     return header
 
 
+def scorer_kind(path: str | os.PathLike) -> str:
+    """``"mlp"`` or ``"mlstm"``: the kind of the scorer in a checkpoint (from its header only)."""
+    kind = read_header(path).get("config", {}).get("kind")
+    if kind not in DEFAULT_SCORERS:
+        raise ValueError(f"{path}: unknown scorer kind {kind!r}")
+    return kind
+
+
 def load_scorer(path: str | os.PathLike, model=None, config=None) -> tuple[ScorerStack, dict[str, Any]]:
     """Load a scorer; refuse one trained for a different base model.
 

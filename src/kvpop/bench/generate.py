@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     if args._worker:
         print(json.dumps(run_one(args._worker, lengths, args.decode_steps, args.mode, args.model, args.threads)))
         return 0
-    from .. import load_model
+    from ..cli import load_model_quietly
 
-    model, _ = load_model(args.model, progress=True)  # validates the model and converts it once, up front
+    model, _ = load_model_quietly(args.model)  # validates the model and converts it once, up front
     limit = model.config.max_position_embeddings
     need = max(lengths) + args.decode_steps * len(lengths) + 1
     if need > limit:

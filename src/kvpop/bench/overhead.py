@@ -20,7 +20,6 @@ import torch
 from .common import cache_for_spec, text_ids, write_json
 
 
-
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvpop bench overhead", description=__doc__.split("\n\n")[0])
@@ -31,13 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results/bench_overhead")
     args = p.parse_args(argv)
-    from .. import POLICIES, load_model, policy_names
+    from .. import POLICIES, policy_names
+    from ..cli import load_model_quietly
 
     names = [n for n in (args.policies or ",".join(policy_names(dense=False, teacher_forced=False))).split(",") if n]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; known: {sorted(POLICIES)}")
-    model, tok = load_model(args.model, progress=True)
+    model, tok = load_model_quietly(args.model)
     limit = model.config.max_position_embeddings
     if args.context + args.steps + 1 > limit:
         raise SystemExit(f"--context + --steps needs {args.context + args.steps + 1} positions; the model has {limit}")

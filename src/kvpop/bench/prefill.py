@@ -26,9 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results/bench_prefill")
     args = p.parse_args(argv)
-    from .. import load_model
+    from ..cli import load_model_quietly
 
-    model, tok = load_model(args.model, progress=True)
+    model, tok = load_model_quietly(args.model)
     ids = text_ids(tok, args.length)
     specs = args.policies.split(",")
     times: dict[str, list[float]] = {s: [] for s in specs}
