@@ -14,6 +14,8 @@ a model config it was not trained for (:meth:`LearnedPolicy.validate`, called by
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..config import attention_shape
@@ -63,7 +65,7 @@ class LearnedPolicy(Policy):
         return state, scores.float()
 
     def __repr__(self) -> str:
-        return f"LearnedPolicy({self.name}, {self.source})"
+        return f"LearnedPolicy({self.name}, {os.path.basename(self.source)})"
 
 
 def learned_policy_factory(kind: str):
