@@ -67,10 +67,9 @@ def decide_one_full(
     search and the empty-slot masking; the decision itself is :func:`ranks_above` against the
     weakest held token, exactly as in :func:`decide_one`.
     """
-    min_prio, _ = lr_prio.min(-1)
-    # among equal minimum priority the newest ranks lowest
-    weakest = torch.where(lr_prio == min_prio.unsqueeze(-1), lr_idx, torch.full_like(lr_idx, -1)).argmax(-1)
-    weakest_idx = lr_idx.gather(-1, weakest.unsqueeze(-1)).squeeze(-1)
+    min_prio = lr_prio.amin(-1)
+    # among equal minimum priority the newest ranks lowest: the largest index, found with its slot in one pass
+    weakest_idx, weakest = torch.where(lr_prio == min_prio.unsqueeze(-1), lr_idx, -1).max(-1)
     return weakest, ranks_above(ex_prio, ex_idx, min_prio, weakest_idx)
 
 
