@@ -56,3 +56,15 @@ def test_other_caches_behave_exactly_as_before(arch, attn):
     restored = _behaviour(model)
     for name in before:
         assert torch.equal(before[name], restored[name]), name
+
+
+def test_a_detached_model_refuses_its_old_kvpop_cache():
+    model = tiny_model("llama")
+    cache = KVpopCache(model.config, budget=12, window=4, sinks=2, policy="knorm")
+    kvpop.detach(model.config)
+    with pytest.raises(RuntimeError, match="kvpop.detach was called after this cache was created"), torch.no_grad():
+        model(torch.randint(3, 128, (1, 8)), past_key_values=cache)
+    fresh = KVpopCache(model.config, budget=12, window=4, sinks=2, policy="knorm")  # routes again
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 20)), past_key_values=fresh)
+    assert fresh.get_seq_length() == 20 and int(fresh.layers[0].slot_index.max()) == 19

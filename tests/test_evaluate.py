@@ -226,3 +226,11 @@ def test_missing_learned_scorer_is_skipped(tmp_path):
     res = run_eval(model, tiny_tokenizer(), cfg, documents={"x": [_ids(64)]}, progress=False, plots=False)
     assert "kvpop-mlp" in res["skipped_policies"] and res["policies"] == ["dense"]
     assert {r["policy"] for r in res["records"]} == {"dense"}
+
+
+def test_eval_checks_the_shipped_scorer_against_the_model():
+    """kvpop eval builds learned policies with the model at hand: a scorer for another model is skipped, with why."""
+    cfg = _small_cfg(tasks=("lm",), policies=("dense", "kvpop"), compressions=(0.75,))
+    res = run_eval(tiny_model("llama"), tiny_tokenizer(), cfg, documents={"x": [_ids(64)]}, progress=False, plots=False)
+    assert res["policies"] == ["dense"]
+    assert "different model" in res["skipped_policies"]["kvpop"]

@@ -20,6 +20,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import rule
+from .attention import NAME as ATTN_NAME
 from .attention import KVpopOffset, attach
 from .config import EvictionConfig, attention_shape, check_full_attention
 from .policies import DEFAULT_POLICY, DENSE, LEARNED_POLICIES, ExitBatch, Policy, get_policy, map_state
@@ -45,6 +46,7 @@ class KVpopLayer(CacheLayerMixin):
         self.cfg, self.policy, self.layer_idx = cfg, policy, layer_idx
         self.obs_window = policy.observation_window(cfg.window)  # per cache: the policy is never mutated
         self.policy_state = None
+        self.model_config = None  # the (text) config whose attention must route through kvpop
         self.seen = 0  # tokens fed to this layer, padding included (drives position ids)
         self.fast_decode = True  # single-token steps update the buffers in place (False: always the chunk path)
         self.timer: dict[str, float] | None = None  # set to {} to accumulate decode seconds per phase (benchmarks)
@@ -73,6 +75,12 @@ class KVpopLayer(CacheLayerMixin):
         """Defer insertion to the attention call, which knows the queries and the padding mask."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.model_config is not None and self.model_config._attn_implementation != ATTN_NAME:
+            raise RuntimeError(
+                f"the model's attention implementation is {self.model_config._attn_implementation!r}, not "
+                f"{ATTN_NAME!r} (kvpop.detach was called after this cache was created); the KVpop cache would be "
+                "bypassed. Create a new KVpopCache, which routes the model's attention again."
+            )
         setattr(key_states, _PENDING, self)
         return key_states, value_states
 
@@ -449,6 +457,9 @@ class KVpopCache(Cache):
         num_layers = attention_shape(config).num_layers
         super().__init__(layers=[KVpopLayer(eviction, pol, i) for i in range(num_layers)])
         attach(config)
+        text = config.get_text_config(decoder=True)
+        for layer in self.layers:
+            layer.model_config = text
 
     @property
     def budget(self) -> int:
