@@ -1,5 +1,6 @@
 """The physical bounded cache: dense equality, masked-reference parity, chunked prefill, padding, errors."""
 
+import re
 import warnings
 
 import pytest
@@ -183,7 +184,7 @@ def test_right_padding_is_refused():
     ids = torch.randint(1, 128, (2, 10))
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0
-    cache = KVpopCache(model.config, budget=16, window=4)
+    cache = KVpopCache(model.config, budget=16, window=4, policy="knorm")
     with pytest.raises(ValueError, match="left padding"):
         model(ids, attention_mask=mask, past_key_values=cache)
 
@@ -202,3 +203,28 @@ def test_streaming_uses_whole_budget_as_window():
 
 def test_policy_registry_names():
     assert set(BASE_POLICIES) <= set(POLICIES)
+
+
+@pytest.mark.parametrize(
+    "arch,overrides,layers",
+    [
+        ("mistral", {"sliding_window": 16}, "[0, 1]"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, "[1]"),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}, "[0, 1]"),
+    ],
+)
+def test_sliding_window_models_are_refused(arch, overrides, layers):
+    """Decision: refuse (not honour) a sliding-window config, naming the field and the layers."""
+    model = tiny_model(arch, **overrides)
+    ids = _unique_ids(40)
+    with torch.no_grad():  # the window is real: 40 tokens > 16 change the dense result
+        full = tiny_model(arch, **{**overrides, "sliding_window": None})
+        assert not torch.allclose(model(ids).logits[:, -1], full(ids).logits[:, -1], atol=1e-4)
+    with pytest.raises(ValueError, match=rf"sliding_window=16, used by layers {re.escape(layers)}"):
+        KVpopCache(model.config, budget=64, window=8, policy="knorm")
+
+
+def test_sliding_window_that_never_slides_is_full_attention():
+    # Qwen2.5-style configs: use_sliding_window False (or a window >= max_position_embeddings)
+    KVpopCache(tiny_model("qwen2", sliding_window=16, use_sliding_window=False).config, budget=64, policy="knorm")
+    KVpopCache(tiny_model("mistral", sliding_window=4096).config, budget=64, policy="knorm")

@@ -7,9 +7,8 @@ import warnings
 import pytest
 import torch
 
-from kvpop import KVpopCache
+from kvpop import EvictionConfig, KVpopCache
 from kvpop.evaluate import (
-    Budget,
     DenseCache,
     EvalConfig,
     Sums,
@@ -67,7 +66,7 @@ def test_metrics_math():
 def test_budget_at_least_length_is_dense(policy):
     model = tiny_model("llama")
     ids = _ids(40)
-    m = teacher_forced(model, ids, policy, Budget.of(48, window=8, sinks=2))
+    m = teacher_forced(model, ids, policy, EvictionConfig.from_budget(48, window=8, sinks=2))
     assert m["scored_from"] == 0 and m["n_tokens"] == 39
     assert m["retention"] == pytest.approx(1.0, abs=1e-5)
     assert m["kl"] == pytest.approx(0.0, abs=1e-6) and m["top1_agreement"] == 1.0
@@ -84,7 +83,7 @@ def _policies_for_parity():
 def test_one_forward_equals_token_by_token(policy):
     model = tiny_model("llama")
     ids = _ids(70, seed=1)
-    budget = Budget.of(24, window=6, sinks=2)
+    budget = EvictionConfig.from_budget(24, window=6, sinks=2)
     dense = DenseCache()
     got = teacher_forced(model, ids, policy, budget, dense=dense)
     assert got["scored_from"] == 24 and got["n_tokens"] == 70 - 1 - 24
@@ -99,6 +98,18 @@ def test_one_forward_equals_token_by_token(policy):
     assert ref["retention"] != pytest.approx(1.0, abs=1e-6)  # eviction changed something
     for k in ("nll_dense", "nll_policy", "retention", "kl", "top1_agreement"):
         assert got[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-5), k
+
+
+def test_one_budget_rule_for_evaluation_and_cache():
+    """Compression bounds are EvictionConfig's, wherever a budget is stated: (0, 1)."""
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="compression must be in \\(0, 1\\)"):
+            EvalConfig(compressions=(bad,), reference_length=64).budgets()
+        with pytest.raises(ValueError, match="compression must be in \\(0, 1\\)"):
+            KVpopCache(tiny_model("llama").config, compression=bad, reference_length=64, policy="knorm")
+    (b,) = EvalConfig(compressions=(0.875,), reference_length=4096).budgets()
+    assert b == EvictionConfig.from_budget(compression=0.875, reference_length=4096)
+    assert (b.budget, b.window, b.sinks, b.k) == (512, 64, 4, 444)
 
 
 def test_unregistered_policy_is_reported():
@@ -205,16 +216,21 @@ def test_cli_on_saved_tiny_model(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "knorm" in printed and "results.json" in printed
     assert main(["--out", str(out), "--compression", "1.5"]) == 2
+    assert main(["--out", str(out), "--compression", "0"]) == 2  # no eviction is policy dense, not compression 0
 
 
-def test_scorer_flag_and_missing_learned_scorer_is_skipped(tmp_path):
-    from kvpop.evaluate.cli import build_parser, config_from_args
-
-    args = build_parser().parse_args(["--out", "x", "--scorer", "kvpop=/a", "--scorer", "/b"])
-    assert config_from_args(args).policy_kwargs == {"kvpop": {"path": "/a"}, "kvpop-mlp": {"path": "/b"}}
+def test_missing_learned_scorer_is_skipped(tmp_path):
     model = tiny_model("llama")
     cfg = _small_cfg(tasks=("lm",), policies=("dense", "kvpop-mlp"), compressions=(0.75,),
                      policy_kwargs={"kvpop-mlp": {"path": str(tmp_path / "missing.safetensors")}})  # fmt: skip
     res = run_eval(model, tiny_tokenizer(), cfg, documents={"x": [_ids(64)]}, progress=False, plots=False)
     assert "kvpop-mlp" in res["skipped_policies"] and res["policies"] == ["dense"]
     assert {r["policy"] for r in res["records"]} == {"dense"}
+
+
+def test_eval_checks_the_shipped_scorer_against_the_model():
+    """kvpop eval builds learned policies with the model at hand: a scorer for another model is skipped, with why."""
+    cfg = _small_cfg(tasks=("lm",), policies=("dense", "kvpop"), compressions=(0.75,))
+    res = run_eval(tiny_model("llama"), tiny_tokenizer(), cfg, documents={"x": [_ids(64)]}, progress=False, plots=False)
+    assert res["policies"] == ["dense"]
+    assert "different model" in res["skipped_policies"]["kvpop"]

@@ -41,3 +41,13 @@ def test_real_model_generate_bounded(real):
     assert res.new_tokens == 30 and res.text.strip()
     assert res.kv_bytes == kvpop.kv_bytes_per_token(model.config) * 24
     assert res.kv_bytes < res.dense_kv_bytes
+
+
+def test_shipped_scorers_fit_the_embedded_model_and_are_the_default(real):
+    model, tok = real
+    for name in ("kvpop", "kvpop-mlp"):  # old-format fingerprints: config part and weight hash both pass
+        kvpop.KVpopCache(model.config, budget=64, policy=name)
+        kvpop.make_cache(model, name, budget=64)
+    res = kvpop.generate(model, tok, "The capital of France is", budget=24, window=8, max_new_tokens=6)
+    assert res.cache.policy.name == "kvpop" and res.new_tokens >= 1
+    assert res.kv_bytes == kvpop.kv_bytes_per_token(model.config) * 24

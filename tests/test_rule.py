@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpop.rule import NEVER, decide_chunk, decide_one, reference_rule
+from kvpop.rule import NEVER, decide_chunk, decide_one, decide_one_full, reference_rule
 
 
 def _simulate_chunks(prio, sinks, window, k, chunk, method):
@@ -73,6 +73,21 @@ def test_decide_one_agrees_with_pairwise(data, k, b, h):
     evicted = accept & (lr_idx.gather(-1, slot.unsqueeze(-1)).squeeze(-1) >= 0)
     n_evicted = ((lr_leave != NEVER) & (lr_leave >= 0)).sum(-1)
     assert torch.equal(n_evicted, evicted.long())
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), k=st.integers(1, 8), b=st.integers(1, 3), h=st.integers(1, 3))
+def test_decide_one_full_equals_decide_one_when_slots_are_full(data, k, b, h):
+    # the decode fast path's variant: every slot held, the exiting token newer than all of them
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 10_000)))
+    lr_idx = torch.stack([torch.randperm(40, generator=g)[:k] for _ in range(b * h)]).view(b, h, k)
+    lr_prio = torch.randint(-2, 3, (b, h, k), generator=g).float()  # small ints: ties are frequent
+    ex_prio = torch.randint(-2, 3, (b, h), generator=g).float()
+    ex_idx = torch.full((b, h), 40)
+    slot, accept = decide_one(lr_prio, lr_idx, ex_prio, ex_idx)
+    slot_f, accept_f = decide_one_full(lr_prio, lr_idx, ex_prio, ex_idx)
+    assert torch.equal(accept, accept_f)
+    assert torch.equal(slot[accept], slot_f[accept])
 
 
 def test_reference_rule_small_example():

@@ -105,7 +105,7 @@ def test_ddp_two_processes_keep_identical_weights(tmp_path, docs):
     out = tmp_path / "ddp"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-        "-m", "kvpop.train", "--scorer", "mlstm", "--out", str(out), "--model", str(model_dir),
+        "-m", "kvpop.train", "--kind", "mlstm", "--out", str(out), "--model", str(model_dir),
         "--docs-from", str(docs), "--seq-len", "64", "--budget", "24", "--window", "8", "--sinks", "2",
         "--steps", "4", "--batch-size", "2", "--ckpt-every", "2", "--eval-every", "2", "--val-sequences", "1",
         "--check-sync", "--no-progress",
@@ -120,4 +120,4 @@ def test_ddp_two_processes_keep_identical_weights(tmp_path, docs):
 
 def test_cli_main_validates_first(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["--scorer", "nope", "--out", str(tmp_path)])
+        main(["--kind", "nope", "--out", str(tmp_path)])

@@ -1,21 +1,24 @@
 """kvpop: a fixed-size KV cache for transformers by learned eviction (KVpop)."""
 
-from .cache import KVpopCache, KVpopLayer
+from .attention import detach
+from .cache import KVpopCache, KVpopLayer, make_cache
 from .config import EvictionConfig
-from .policies import POLICIES, Policy, get_policy, register_policy
+from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy, get_policy, policy_names, register_policy
 
 __version__ = "0.1.0"
 
 from .adapters import AdapterMismatchError, load_adapter_bundle, lora_config, save_adapter_bundle
 from .capture import LayerCapture, collect
 from .checkpoint import load_scorer, save_scorer
-from .generate import GenerationResult, generate, make_cache
+from .generate import GenerationResult, generate
 from .mask import leave_steps, masked_eviction
 from .models import SUPPORTED_MODEL_TYPES, ModelLoadError, kv_bytes_per_token, load_model, model_summary
 from .targets import future_attention
 from .teacher import TeacherLabels, teacher_labels
 
 __all__ = [
+    "DEFAULT_POLICY",
+    "DENSE",
     "POLICIES",
     "SUPPORTED_MODEL_TYPES",
     "AdapterMismatchError",
@@ -28,6 +31,7 @@ __all__ = [
     "Policy",
     "TeacherLabels",
     "collect",
+    "detach",
     "future_attention",
     "generate",
     "get_policy",
@@ -40,6 +44,7 @@ __all__ = [
     "make_cache",
     "masked_eviction",
     "model_summary",
+    "policy_names",
     "register_policy",
     "save_adapter_bundle",
     "save_scorer",

@@ -3,14 +3,22 @@
 transformers calls ``cache.update`` and then the configured attention function with the same
 key tensor. ``KVpopLayer.update`` tags that tensor; the function below sees the tag and lets the
 layer insert the chunk under the eviction rule and attend with its per-head visibility mask.
-Untagged calls (any other cache, or no cache) go to the implementation the model had before
-(``sdpa`` by default), with the mask that implementation would have built, so attaching
-kvpop never changes dense results.
+
+Decision (issue #13): creating a ``KVpopCache`` sets ``config._attn_implementation = "kvpop"``
+and leaves it so; for anything but a KVpop cache the routing is a no-op. The mask function
+builds the previous implementation's mask unless the cache's ``get_mask_sizes`` marks it as a
+KVpop layer (:class:`KVpopOffset`), and untagged attention calls go to the previous
+implementation (``sdpa``, or the model's own eager function) with that mask. So no cache,
+``DynamicCache`` and ``StaticCache`` give bit-identical results while a KVpop cache exists and
+after it is gone (tests/test_attention_routing.py). :func:`detach` restores the previous
+name for code that reads it.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from typing import Self
 
 import torch
 from transformers import AttentionInterface
@@ -40,15 +48,33 @@ class KVpopMask:
         return self.padding[:, -q_len:].bool()
 
 
+class KVpopOffset(int):
+    """The ``kv_offset`` a KVpop layer reports from ``get_mask_sizes`` (always 0): it tells
+    :func:`kvpop_mask` that the mask is for a KVpop cache, which only needs the 2D padding mask."""
+
+    def __new__(cls) -> Self:
+        return super().__new__(cls, 0)
+
+
 def _base_name(config) -> str:
     return getattr(config, _BASE_ATTR, None) or "sdpa"
 
 
-def kvpop_mask(**kwargs) -> KVpopMask:
+def kvpop_mask(**kwargs):
     config = kwargs.get("config")
-    base = _base_name(config)
-    fn = ALL_MASK_ATTENTION_FUNCTIONS.get(base, None)
-    return KVpopMask(padding=kwargs.get("attention_mask"), _base_kwargs=kwargs, _base_fn=fn)
+    base = ALL_MASK_ATTENTION_FUNCTIONS.get(_base_name(config), None)
+    if not isinstance(kwargs.get("kv_offset"), KVpopOffset):  # any other cache, or none: the base mask itself
+        return base(**kwargs) if base is not None else None
+    return KVpopMask(padding=kwargs.get("attention_mask"), _base_kwargs=kwargs, _base_fn=base)
+
+
+def _base_attention(module, base: str):
+    if base == "eager":  # not registered: each modeling file has its own eager function
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            raise ValueError(f"kvpop: cannot find the eager attention of {type(module).__name__}")
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[base]
 
 
 def kvpop_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -60,9 +86,8 @@ def kvpop_attention(module, query, key, value, attention_mask, scaling=None, dro
         if attention_mask is not None and not isinstance(attention_mask, KVpopMask):
             raise ValueError("kvpop attention got a prepared 4D attention mask; pass the 2D padding mask instead")
         return layer.attend(query, key, value, valid, scaling), None
-    base = _base_name(module.config)
     mask = attention_mask.base_mask() if isinstance(attention_mask, KVpopMask) else attention_mask
-    fn = ALL_ATTENTION_FUNCTIONS[base]
+    fn = _base_attention(module, _base_name(module.config))
     return fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
@@ -88,7 +113,8 @@ def attach(config) -> None:
 
 
 def detach(config) -> None:
-    """Restore the attention implementation the model had before :func:`attach`."""
+    """Restore the attention implementation the model had before :func:`attach` (a KVpop cache
+    then no longer works with this model until another ``KVpopCache`` is created for it)."""
     for cfg in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
         if cfg._attn_implementation == NAME:
             cfg._attn_implementation = _base_name(cfg)

@@ -19,22 +19,34 @@ import time
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import attach
-from .config import EvictionConfig, attention_shape
-from .policies import ExitBatch, Policy, get_policy
-from .rule import NEVER, decide_chunk, decide_one
+from . import rule
+from .attention import NAME as ATTN_NAME
+from .attention import KVpopOffset, attach
+from .config import EvictionConfig, attention_shape, check_full_attention
+from .policies import DEFAULT_POLICY, DENSE, LEARNED_POLICIES, ExitBatch, Policy, get_policy, map_state
+from .rule import NEVER, decide_chunk
 
 _PENDING = "_kvpop_layer"
 
 
 class KVpopLayer(CacheLayerMixin):
-    """One layer's bounded cache. State is allocated lazily at the first update."""
+    """One layer's bounded cache. State is allocated lazily at the first update.
+
+    Everything that depends on the sequences lives here, per batch row: the slots, their token
+    indices and priorities, the observed-attention statistic of the window, and the policy's own
+    state (``policy_state``, from :meth:`Policy.init_state`). The policy itself is stateless and
+    may be shared. Beam search, ``batch_repeat_interleave`` and ``batch_select_indices`` reorder
+    all of it (:meth:`reorder_cache`).
+    """
 
     is_sliding = False
 
     def __init__(self, cfg: EvictionConfig, policy: Policy, layer_idx: int):
         super().__init__()
         self.cfg, self.policy, self.layer_idx = cfg, policy, layer_idx
+        self.obs_window = policy.observation_window(cfg.window)  # per cache: the policy is never mutated
+        self.policy_state = None
+        self.model_config = None  # the (text) config whose attention must route through kvpop
         self.seen = 0  # tokens fed to this layer, padding included (drives position ids)
         self.fast_decode = True  # single-token steps update the buffers in place (False: always the chunk path)
         self.timer: dict[str, float] | None = None  # set to {} to accumulate decode seconds per phase (benchmarks)
@@ -56,12 +68,19 @@ class KVpopLayer(CacheLayerMixin):
         self.n_real = torch.zeros(b, dtype=torch.long, device=dev)
         self.observed = torch.zeros(b, h, cfg.window, dtype=torch.float32, device=dev)  # per ring slot
         self.device = dev
+        self.policy_state = self.policy.init_state(b, h, self.layer_idx, dev)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Defer insertion to the attention call, which knows the queries and the padding mask."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.model_config is not None and self.model_config._attn_implementation != ATTN_NAME:
+            raise RuntimeError(
+                f"the model's attention implementation is {self.model_config._attn_implementation!r}, not "
+                f"{ATTN_NAME!r} (kvpop.detach was called after this cache was created); the KVpop cache would be "
+                "bypassed. Create a new KVpopCache, which routes the model's attention again."
+            )
         setattr(key_states, _PENDING, self)
         return key_states, value_states
 
@@ -73,7 +92,7 @@ class KVpopLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The model builds its padding mask against all tokens seen; kvpop reads the new tokens' part.
-        return self.seen + query_length, 0
+        return self.seen + query_length, KVpopOffset()
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -91,12 +110,16 @@ class KVpopLayer(CacheLayerMixin):
             self.n_real.zero_()
             self.observed.zero_()
             self.min_real = 0
+            b, h = self._k.shape[:2]
+            self.policy_state = self.policy.init_state(b, h, self.layer_idx, self.device)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if not self.is_initialized:
             return
+        idx = beam_idx.to(self.device)
         for name in ("_k", "_v", "_slot_index", "_lr_prio", "n_real", "observed"):
-            setattr(self, name, getattr(self, name).index_select(0, beam_idx.to(self.device)))
+            setattr(self, name, getattr(self, name).index_select(0, idx))
+        self.policy_state = map_state(self.policy_state, lambda t: t.index_select(0, idx.to(t.device)))
         self._views()
         self.min_real = int(self.n_real.min())
 
@@ -172,7 +195,8 @@ class KVpopLayer(CacheLayerMixin):
             if self.policy.needs_attention:
                 observed = self.observed.gather(2, ring_off.view(b, 1, 1).expand(b, h, 1))
             batch = ExitBatch(self.layer_idx, ex_k, ex_v, ex_idx.view(b, 1), k_new, v_new, t.view(b, 1), observed, True)
-            prio = self.policy.score(batch).float().view(b, h)
+            self.policy_state, prio = self.policy.score(self.policy_state, batch)
+            prio = prio.float().view(b, h)
             if timer is not None:
                 t0 = _tick(timer, "score", t0)
             if torch.isnan(prio).any():
@@ -180,13 +204,9 @@ class KVpopLayer(CacheLayerMixin):
             if cfg.lam:
                 prio = prio + cfg.lam * ex_idx.view(b, 1).float()
             if kk > 0:
-                if self.min_real - s - w >= kk:
-                    # every long-range slot is held: the exiting token (the newest) must beat the weakest strictly
-                    min_prio, _ = self.lr_prio.min(-1)
-                    weakest = torch.where(self.lr_prio == min_prio.unsqueeze(-1), self.slot_index[:, :, s + w :], -1).argmax(-1)
-                    accept = prio > min_prio
-                else:
-                    weakest, accept = decide_one(self.lr_prio, self.slot_index[:, :, s + w :], prio, ex_idx.view(b, 1).expand(b, h))
+                # the rule decides (kvpop.rule); when every long-range slot is held, its cheaper variant
+                decide = rule.decide_one_full if self.min_real - s - w >= kk else rule.decide_one
+                weakest, accept = decide(self.lr_prio, self.slot_index[:, :, s + w :], prio, ex_idx.view(b, 1).expand(b, h))
                 # rejected exits write to the trash slot: no gather-and-rewrite of the old content
                 dst = torch.where(accept, s + w + weakest, n).unsqueeze(-1)  # [b, h, 1]
                 self._k.scatter_(2, dst.unsqueeze(-1).expand(b, h, 1, d), ex_k)
@@ -212,8 +232,7 @@ class KVpopLayer(CacheLayerMixin):
             filled = kidx >= 0
             local = filled & ((kidx < s) | (kidx > tq - w))
             p_local = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1)
-            obs = self.policy.obs_window or w
-            contrib = (p_local * ((tq - kidx) >= (w - obs))).mean(dim=2)  # [b, h, n]
+            contrib = (p_local * ((tq - kidx) >= (w - self.obs_window))).mean(dim=2)  # [b, h, n]
             ring_contrib = contrib[:, :, s : s + w]
             # the slot of the new token restarts its statistic; the others accumulate
             fresh = torch.zeros_like(self.observed).scatter_(2, ring_off.view(b, 1, 1).expand(b, h, 1), 1.0)
@@ -262,8 +281,7 @@ class KVpopLayer(CacheLayerMixin):
             tq = t_q.view(b, 1, 1, c, 1)
             local = (kidx >= 0) & (kidx <= tq) & ((kidx < s) | (kidx > tq - w))
             p_local = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1).nan_to_num(0.0)
-            obs = self.policy.obs_window or w
-            counted = (tq - kidx) >= (w - obs)
+            counted = (tq - kidx) >= (w - self.obs_window)
             contrib = (p_local * counted).mean(dim=2).sum(dim=2)  # [b, h, n + c] summed over queries
             ring = slice(s, s + w)
             # accumulated statistic of every ring slot before new tokens overwrite them
@@ -284,7 +302,8 @@ class KVpopLayer(CacheLayerMixin):
             new_index=new_idx,
             attention=observed,
         )
-        scores = self.policy.score(batch).float()
+        self.policy_state, scores = self.policy.score(self.policy_state, batch)
+        scores = scores.float()
         if scores.shape != (b, h, c):
             raise RuntimeError(f"policy {self.policy.name} returned scores of shape {tuple(scores.shape)}, expected {(b, h, c)}")
         if torch.isnan(scores).any():
@@ -381,11 +400,16 @@ class KVpopCache(Cache):
 
     Example::
 
-        cache = kvpop.KVpopCache(model.config, budget=512, window=64, policy="knorm")
+        cache = kvpop.KVpopCache(model.config, budget=512, window=64)  # policy="kvpop": the shipped mLSTM scorer
         model.generate(**inputs, cache=cache, max_new_tokens=2000)
 
-    Creating the cache switches ``model.config``'s attention implementation to ``"kvpop"``,
-    which behaves exactly like the previous one for any other cache.
+    The default policy ``"kvpop"`` loads the scorer shipped for SmolLM2-135M-Instruct; on any other
+    model it raises ``ScorerMismatchError`` (train one with ``kvpop train`` and pass ``path=``, or
+    name a heuristic policy such as ``"h2o"``).
+
+    Creating the cache switches ``model.config``'s attention implementation to ``"kvpop"``
+    and leaves it so: for any other cache (or none) that routing is a no-op, bit for bit, also
+    after this cache is gone. ``kvpop.detach(model.config)`` restores the previous name.
     """
 
     def __init__(
@@ -398,13 +422,13 @@ class KVpopCache(Cache):
         reference_length: int | None = None,
         window: int | None = None,
         sinks: int = 4,
-        policy: str | Policy = "knorm",
+        policy: str | Policy = DEFAULT_POLICY,
         lam: float = 0.0,
         prefill_chunk: int | None = None,
         eviction: EvictionConfig | None = None,
         **policy_kwargs,
     ):
-        pol = get_policy(policy, **policy_kwargs)
+        check_full_attention(config)
         if eviction is None:
             eviction = EvictionConfig.from_budget(
                 budget,
@@ -418,6 +442,7 @@ class KVpopCache(Cache):
             )
         elif any(v is not None for v in (budget, k, compression, reference_length, window)):
             raise ValueError("give either eviction=EvictionConfig(...) or budget/k/compression/window, not both")
+        pol = get_policy(policy, **policy_kwargs)
         if not pol.uses_long_range and eviction.k > 0:
             # equal budget, all of it recency: StreamingLLM with a longer window
             eviction = EvictionConfig(
@@ -427,12 +452,14 @@ class KVpopCache(Cache):
                 lam=eviction.lam,
                 prefill_chunk=eviction.prefill_chunk,
             )
-        shape = attention_shape(config)
-        num_layers = shape.num_layers
-        pol.setup(num_layers, shape.kv_heads, shape.head_dim, eviction.window)
+        pol.validate(config, eviction)
         self.eviction, self.policy = eviction, pol
+        num_layers = attention_shape(config).num_layers
         super().__init__(layers=[KVpopLayer(eviction, pol, i) for i in range(num_layers)])
         attach(config)
+        text = config.get_text_config(decoder=True)
+        for layer in self.layers:
+            layer.model_config = text
 
     @property
     def budget(self) -> int:
@@ -442,14 +469,38 @@ class KVpopCache(Cache):
         """Bytes of keys and values held now, all layers."""
         return sum(layer.kv_bytes() for layer in self.layers)
 
-    def reset(self) -> None:
-        super().reset()
-        self.policy.reset()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self.policy.reorder(beam_idx)
-
     def __repr__(self) -> str:
         e = self.eviction
         return f"KVpopCache(sinks={e.sinks}, window={e.window}, k={e.k}, budget={e.budget}, policy={self.policy!r})"
+
+
+def make_cache(
+    model,
+    policy: str | Policy = DEFAULT_POLICY,
+    *,
+    budget: int | None = None,
+    k: int | None = None,
+    compression: float | None = None,
+    reference_length: int | None = None,
+    window: int | None = None,
+    sinks: int = 4,
+    lam: float = 0.0,
+    prefill_chunk: int | None = None,
+    eviction: EvictionConfig | None = None,
+    **policy_kwargs,
+) -> KVpopCache | None:
+    """A cache for ``model`` under ``policy``: ``None`` for ``"dense"`` (transformers' own cache).
+
+    The one place that builds a cache from a policy name (``kvpop.generate``, the evaluation,
+    the benchmarks and the CLI all call it). Unlike ``KVpopCache(model.config, ...)`` it has the
+    model, so a learned policy also checks its checkpoint's weight hash, not only the config.
+    ``policy_kwargs`` go to the policy factory (e.g. ``path=`` a scorer checkpoint, ``seed=``).
+    """
+    if isinstance(policy, str) and policy == DENSE:
+        return None
+    if isinstance(policy, str) and policy in LEARNED_POLICIES:
+        policy_kwargs.setdefault("model", model)
+    return KVpopCache(
+        model.config, budget, k=k, compression=compression, reference_length=reference_length, window=window,
+        sinks=sinks, policy=policy, lam=lam, prefill_chunk=prefill_chunk, eviction=eviction, **policy_kwargs,
+    )  # fmt: skip

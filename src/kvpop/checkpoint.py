@@ -1,9 +1,11 @@
 """Scorer checkpoints: one safetensors file (weights + JSON config in its metadata), written atomically.
 
 A checkpoint records the scorer config, what it was trained for (budget, window, sinks,
-corpora, steps) and a fingerprint of the base model (architecture, layer/head counts and a
-hash of a few weights), so loading it onto another model is a clear error rather than a
-silent quality loss. Files are written to a temporary name in the same folder and renamed
+corpora, steps) and a fingerprint of the base model (architecture, layer/head/dim sizes, RoPE
+parameters, vocabulary, and a hash of a few weights), so using it with another model is a
+clear error rather than a silent quality loss. The config part is checked whenever a learned
+policy meets a model config (every ``KVpopCache``), the weight hash whenever the model itself
+is at hand (``kvpop.generate``, ``make_cache``, the CLI). Files are written to a temporary name in the same folder and renamed
 into place: a crash mid-save leaves the previous checkpoint intact.
 """
 
@@ -31,22 +33,67 @@ class ScorerMismatchError(ValueError):
     """The scorer was trained for a different base model."""
 
 
-def model_fingerprint(model) -> dict[str, Any]:
-    """Architecture, sizes and a hash of a few weights of the base model."""
-    cfg = model.config.get_text_config(decoder=True)
+WEIGHTS_KEY = "weights_sha256"
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, sort_keys=True, default=str))
+
+
+def config_fingerprint(config) -> dict[str, Any]:
+    """What a scorer depends on that the model's config alone tells: architecture, layer/head/dim
+    sizes, RoPE parameters and vocabulary (no weights needed)."""
+    cfg = _text_config(config)
     shape = attention_shape(cfg)
+    rope = getattr(cfg, "rope_parameters", None)
+    if rope is None:  # older configs
+        rope = {"rope_theta": getattr(cfg, "rope_theta", None), "rope_scaling": getattr(cfg, "rope_scaling", None)}
+    return {
+        "model_type": cfg.model_type,
+        "num_layers": shape.num_layers,
+        "q_heads": int(cfg.num_attention_heads),
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_size": int(cfg.hidden_size),
+        "vocab_size": int(cfg.vocab_size),
+        "rope": _jsonable(rope),
+    }
+
+
+def model_fingerprint(model) -> dict[str, Any]:
+    """:func:`config_fingerprint` plus a hash of a few weights of the base model."""
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         if name.endswith(("layers.0.self_attn.k_proj.weight", "embed_tokens.weight")):
             h.update(name.encode())
             h.update(p.detach().float().flatten()[:4096].cpu().numpy().round(5).tobytes())
-    return {
-        "model_type": cfg.model_type,
-        "num_layers": shape.num_layers,
-        "kv_heads": shape.kv_heads,
-        "head_dim": shape.head_dim,
-        "weights_sha256": h.hexdigest()[:16],
-    }
+    return {**config_fingerprint(model.config), WEIGHTS_KEY: h.hexdigest()[:16]}
+
+
+def check_fingerprint(want: dict[str, Any] | None, source, *, config=None, model=None) -> None:
+    """Raise :class:`ScorerMismatchError` if a scorer trained for ``want`` does not fit this model.
+
+    The config part is checked against ``config`` (or ``model.config``); the weight hash only when
+    ``model`` is given. A field the checkpoint does not record (older checkpoints have only the
+    architecture, layer count, KV heads, head dim and weight hash) is not a mismatch.
+    """
+    if not want:
+        return
+    if model is not None:
+        got = model_fingerprint(model)
+    elif config is not None:
+        got = config_fingerprint(config)
+    else:
+        return
+    diff = {k: (want[k], got[k]) for k in want if k in got and _jsonable(want[k]) != _jsonable(got[k])}
+    if diff:
+        details = ", ".join(f"{k}: trained {a!r} vs this model {b!r}" for k, (a, b) in diff.items())
+        raise ScorerMismatchError(f"scorer {source} was trained for a different model ({details})")
 
 
 def atomic_write(path: Path, write) -> None:
@@ -93,16 +140,22 @@ def read_header(path: str | os.PathLike) -> dict[str, Any]:
     return header
 
 
-def load_scorer(path: str | os.PathLike, model=None) -> tuple[ScorerStack, dict[str, Any]]:
-    """Load a scorer; with ``model``, refuse one trained for a different base model."""
+def scorer_kind(path: str | os.PathLike) -> str:
+    """``"mlp"`` or ``"mlstm"``: the kind of the scorer in a checkpoint (from its header only)."""
+    kind = read_header(path).get("config", {}).get("kind")
+    if kind not in DEFAULT_SCORERS:
+        raise ValueError(f"{path}: unknown scorer kind {kind!r}")
+    return kind
+
+
+def load_scorer(path: str | os.PathLike, model=None, config=None) -> tuple[ScorerStack, dict[str, Any]]:
+    """Load a scorer; refuse one trained for a different base model.
+
+    With ``model``: its config fingerprint and weight hash are checked; with only ``config``: the
+    config fingerprint (see :func:`check_fingerprint`)."""
     header = read_header(path)
     meta = header.get("meta", {})
-    if model is not None and "fingerprint" in meta:
-        want, got = meta["fingerprint"], model_fingerprint(model)
-        diff = {k: (want.get(k), got.get(k)) for k in want if want.get(k) != got.get(k)}
-        if diff:
-            details = ", ".join(f"{k}: trained {a!r} vs this model {b!r}" for k, (a, b) in diff.items())
-            raise ScorerMismatchError(f"scorer {path} was trained for a different model ({details})")
+    check_fingerprint(meta.get("fingerprint"), path, config=config, model=model)
     scorer = build_scorer(ScorerConfig.from_dict(header["config"]))
     with safe_open(str(path), framework="pt") as f:
         state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
@@ -116,7 +169,7 @@ def default_scorer_path(kind: str) -> Path:
     path = DEFAULT_SCORERS[kind]
     if not path.is_file():
         raise FileNotFoundError(
-            f"no shipped {kind} scorer at {path}; train one with `kvpop train --scorer {kind} --out DIR` "
+            f"no shipped {kind} scorer at {path}; train one with `kvpop train --kind {kind} --out DIR` "
             "and pass --scorer DIR/scorer.safetensors"
         )
     return path

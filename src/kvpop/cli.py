@@ -7,7 +7,49 @@ import json
 import sys
 import time
 
-EVICTION_POLICIES = ["dense", "streaming", "tova", "h2o", "snapkv", "knorm", "random", "kvpop", "kvpop-mlp"]
+from .policies import DEFAULT_POLICY, KIND_TO_POLICY, policy_names
+
+EVICTION_POLICIES = policy_names(teacher_forced=False)  # dense + every policy that can generate
+BENCHMARKS = ("targets", "generate", "overhead", "prefill")
+DEMO_QUESTION = "In one sentence, what is the main advice of the essay above?"
+
+
+def load_model_quietly(name_or_path=None):
+    """``kvpop.load_model`` for the command line: kvpop's one-time conversion messages, but not
+    transformers' per-load "Loading weights" bar (noise on every run)."""
+    from transformers.utils import logging as hf_logging
+
+    from .models import load_model
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return load_model(name_or_path, progress=True)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def policy_for_scorer(path: str, policy: str | None = None) -> str:
+    """The learned policy a scorer checkpoint belongs to (its kind, read from the file's header)."""
+    from .checkpoint import scorer_kind
+
+    name = KIND_TO_POLICY[scorer_kind(path)]
+    if policy is not None and policy != name:
+        raise ValueError(f"--scorer {path} is a {scorer_kind(path)} scorer (policy {name}); it cannot serve --policy {policy}")
+    return name
+
+
+def demo_prompt(target_chars: int = 24_000) -> str:
+    """A built-in long prompt: the Paul Graham essay of the corpus's test split closest to
+    ``target_chars`` characters (~6k tokens), then a question about it."""
+    from .data import load_documents
+
+    docs = load_documents("paul_graham", "test")
+    if not docs:
+        raise ValueError("the paul_graham corpus has no test essay")
+    doc = min(docs, key=lambda d: (abs(len(d.text) - target_chars), d.id))
+    return doc.text.strip() + "\n\n" + DEMO_QUESTION
 
 
 def _human(n: float) -> str:
@@ -41,9 +83,9 @@ def cmd_info(args) -> int:
     import torch
 
     from .config import EvictionConfig
-    from .models import load_model, model_summary
+    from .models import model_summary
 
-    model, _ = load_model(args.model)
+    model, _ = load_model_quietly(args.model)
     summary = model_summary(model.config, dtype=torch.float32)
     ev = EvictionConfig.from_budget(**_budget_kwargs(args))
     per_token = summary["kv_bytes_per_token"]
@@ -64,41 +106,58 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _read_prompt(args) -> str:
+    if args.demo_prompt:
+        return demo_prompt()
+    if args.prompt_file is not None:
+        if args.prompt_file == "-":
+            return sys.stdin.read()
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    return args.prompt
+
+
 def cmd_generate(args) -> int:
     from .generate import generate
-    from .models import load_model
-    from .policies import get_policy
 
+    if args.scorer is not None:
+        policy = policy_for_scorer(args.scorer, args.policy)
+        policy_kwargs = {"path": args.scorer}
+    else:
+        policy = args.policy or DEFAULT_POLICY
+        policy_kwargs = {"seed": args.seed} if policy == "random" else {}
+    prompt = _read_prompt(args)
     t0 = time.perf_counter()
-    model, tok = load_model(args.model, progress=True)
+    model, tok = load_model_quietly(args.model)
     print(f"[kvpop] model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    kwargs = {} if args.policy == "dense" else _budget_kwargs(args)
-    policy = args.policy
-    if args.policy == "random":
-        policy = get_policy("random", seed=args.seed)
-    elif args.policy in ("kvpop", "kvpop-mlp"):
-        # the shipped scorer for the embedded model, or --scorer PATH; refused if trained for another model
-        policy = get_policy(args.policy, path=args.scorer, model=model)
-    t0 = time.perf_counter()
-    res = generate(model, tok, args.prompt, policy=policy, max_new_tokens=args.max_new_tokens, chat=args.chat, **kwargs)
-    dt = time.perf_counter() - t0
+    kwargs = {} if policy == "dense" else _budget_kwargs(args)
+    res = generate(model, tok, prompt, policy=policy, policy_kwargs=policy_kwargs, max_new_tokens=args.max_new_tokens,
+                   chat=args.chat, **kwargs)  # fmt: skip
     print(res.text)
     where = f" {res.cache!r}" if res.cache is not None else ""
+    print(f"[kvpop] policy={policy}{where}", file=sys.stderr)
+    pre = f" ({res.prefill_tokens_per_s:,.0f} tok/s)" if res.prefill_tokens_per_s else ""
+    dec = f" ({res.decode_tokens_per_s:.1f} tok/s)" if res.decode_tokens_per_s else ""
+    print(
+        f"[kvpop] prompt {res.prompt_tokens:,} tokens in {res.prefill_s or 0:.1f}s{pre}; "
+        f"generated {res.new_tokens} tokens in {res.decode_s or 0:.1f}s{dec}",
+        file=sys.stderr,
+    )
     note = ""
     if res.cache is not None and res.kv_bytes > res.dense_kv_bytes:
         note = f"; the {res.cache.budget} slots are allocated up front, so the bound pays off past {res.cache.budget} tokens"
     print(
-        f"[kvpop] policy={args.policy}{where}: {res.new_tokens} tokens in {dt:.1f}s; KV held {_human(res.kv_bytes)} "
-        f"vs dense {_human(res.dense_kv_bytes)} ({res.kv_bytes / max(1, res.dense_kv_bytes):.0%}){note}",
+        f"[kvpop] KV cache held {_human(res.kv_bytes)} vs {_human(res.dense_kv_bytes)} dense "
+        f"({res.kv_bytes / max(1, res.dense_kv_bytes):.1%}){note}",
         file=sys.stderr,
     )
     return 0
 
 
-def cmd_bench(args, rest: list[str]) -> int:
+def cmd_bench(what: str, rest: list[str]) -> int:
     import importlib
 
-    return importlib.import_module(f"kvpop.bench.{args.what}").main(rest) or 0
+    return importlib.import_module(f"kvpop.bench.{what}").main(rest) or 0
 
 
 def cmd_train(rest: list[str]) -> int:
@@ -122,18 +181,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_budget(pi)
     pi.add_argument("--json", action="store_true", help="print JSON")
 
-    pg = sub.add_parser("generate", help="generate text with a bounded KV cache")
+    pg = sub.add_parser("generate", help="generate text with a bounded KV cache; prints KV held vs dense and tokens/s")
     _add_model(pg)
-    pg.add_argument("--prompt", required=True)
+    src = pg.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-': standard input)")
+    src.add_argument("--demo-prompt", action="store_true",
+                     help="a built-in long prompt: a ~6k-token Paul Graham essay (paul_graham corpus) and a question")  # fmt: skip
     pg.add_argument("--max-new-tokens", type=int, default=64)
-    pg.add_argument("--policy", choices=EVICTION_POLICIES, default="knorm")
+    pg.add_argument("--policy", choices=EVICTION_POLICIES, default=None,
+                    help=f"eviction policy (default: {DEFAULT_POLICY}, the shipped mLSTM scorer; with --scorer: its kind)")  # fmt: skip
     _add_budget(pg)
     pg.add_argument("--seed", type=int, default=0, help="seed of the random policy")
-    pg.add_argument("--scorer", default=None, help="scorer checkpoint for --policy kvpop/kvpop-mlp (default: the shipped one)")
+    pg.add_argument("--scorer", metavar="PATH", default=None,
+                    help="a scorer checkpoint (.safetensors from kvpop train); its kind picks kvpop or kvpop-mlp")  # fmt: skip
     pg.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
-    pb = sub.add_parser("bench", help="benchmarks (write JSON); options after the name go to the benchmark")
-    pb.add_argument("what", choices=["targets", "generate", "overhead", "prefill"])
+    pb = sub.add_parser("bench", help="benchmarks (write JSON); `kvpop bench NAME --help` for a benchmark's options")
+    pb.add_argument("what", choices=BENCHMARKS)
     sub.add_parser("train", help="train a KVpop scorer (see `kvpop train --help`)", add_help=False)
     sub.add_parser("eval", help="evaluate policies and budgets (see `kvpop eval --help`)", add_help=False)
     return p
@@ -144,17 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("train", "eval"):
         return cmd_train(argv[1:]) if argv[0] == "train" else cmd_eval(argv[1:])
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        return cmd_bench(args, rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:  # the benchmark parses (and --help) its own options
+        return cmd_bench(argv[1], argv[2:])
+    args = parser.parse_args(argv)
     try:
         if args.command == "info":
             return cmd_info(args)
         if args.command == "generate":
             return cmd_generate(args)
-    except (ValueError, FileNotFoundError, ImportError) as exc:
+    except (ValueError, OSError, ImportError) as exc:
         print(f"kvpop: error: {exc}", file=sys.stderr)
         return 2
     return 1

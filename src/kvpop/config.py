@@ -29,6 +29,51 @@ def attention_shape(config) -> AttentionShape:
     return AttentionShape(int(text.num_hidden_layers), int(kv), int(head_dim))
 
 
+def sliding_window_layers(config) -> tuple[int | None, list[int]]:
+    """``(window, layers)``: the model's sliding attention window and the layers that use it.
+
+    ``(None, [])`` for full attention everywhere. A window at least ``max_position_embeddings``
+    long never slides and counts as full attention. Layer types come from ``layer_types`` where
+    the config has them (Qwen2/Qwen3: ``use_sliding_window`` + ``max_window_layers``), else a set
+    ``sliding_window`` applies to every layer (Mistral).
+    """
+    get = getattr(config, "get_text_config", None)
+    text = get(decoder=True) if callable(get) else config
+    window = getattr(text, "sliding_window", None)
+    if window is None:
+        return None, []
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit is not None and window >= limit:
+        return None, []
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        layers = [i for i, t in enumerate(types) if t in ("sliding_attention", "chunked_attention")]
+    elif getattr(text, "use_sliding_window", True) is False:
+        layers = []
+    else:
+        layers = list(range(int(text.num_hidden_layers)))
+    return (window if layers else None), layers
+
+
+def check_full_attention(config) -> None:
+    """Refuse a model with sliding-window layers (decision of issue #13: refuse, not honour).
+
+    A KVpop cache would let such a layer attend to sinks and long-range tokens older than the
+    model's window, which it never saw in training; the model silently becomes a different one.
+    """
+    window, layers = sliding_window_layers(config)
+    if layers:
+        get = getattr(config, "get_text_config", None)
+        text = get(decoder=True) if callable(get) else config
+        shown = layers if len(layers) <= 8 else [*layers[:8], "..."]
+        raise ValueError(
+            f"kvpop supports full-attention layers only, but this {text.model_type} config sets "
+            f"sliding_window={window}, used by layers {shown} (config.layer_types / use_sliding_window). A "
+            "KVpop cache would let those layers attend beyond their window. Use a model without sliding-window "
+            "attention, or set config.sliding_window = None if you accept running it as full attention."
+        )
+
+
 @dataclass(frozen=True)
 class EvictionConfig:
     """Resolved per-head budget ``B = sinks + window + k`` (method.md section 1)."""

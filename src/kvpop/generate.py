@@ -1,21 +1,22 @@
 """``kvpop.generate``: one call from prompt to text under a bounded cache.
 
 It validates everything (policy, budget, padding side, position limit) before the model
-runs, builds the :class:`KVpopCache`, calls ``model.generate`` with it, and reports how many
-KV bytes were held against what a dense cache would have held.
+runs, builds the cache with :func:`kvpop.make_cache`, calls ``model.generate`` with it, and
+reports how many KV bytes were held against what a dense cache would have held, and how long
+the prompt (prefill) and the new tokens (decode) took.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
-from .cache import KVpopCache
+from .cache import KVpopCache, make_cache
 from .models import kv_bytes_per_token
-from .policies import POLICIES, Policy
-
-DENSE = "dense"
+from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy
 
 
 @dataclass
@@ -26,21 +27,45 @@ class GenerationResult:
     cache: KVpopCache | None
     kv_bytes: int  # bytes of keys/values held at the end
     dense_kv_bytes: int  # what a dense cache would hold for the same tokens
+    prompt_tokens: int = 0  # per row, padding included
+    prefill_s: float | None = None  # prompt forward + first token (None when not measured, e.g. beams)
+    decode_s: float | None = None  # the remaining new_tokens - 1 steps
 
     @property
     def text(self) -> str:
         return self.texts[0]
 
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        return self.prompt_tokens * self.sequences.shape[0] / self.prefill_s if self.prefill_s else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        steps = self.new_tokens - 1
+        return steps * self.sequences.shape[0] / self.decode_s if self.decode_s and steps > 0 else None
+
+
+class _StepTimer(BaseStreamer):
+    """Times generation through the streamer hooks: the prompt is put before the prefill, then one
+    put per new token; the first new token marks the end of the prefill."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def put(self, value) -> None:
+        self.marks.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.marks.append(time.perf_counter())
+
+    def phases(self) -> tuple[float | None, float | None]:
+        if len(self.marks) < 3:
+            return None, None
+        return self.marks[1] - self.marks[0], self.marks[-1] - self.marks[1]
+
 
 def dense_kv_bytes(config, batch: int, tokens: int, dtype: torch.dtype) -> int:
     return kv_bytes_per_token(config, dtype) * batch * tokens
-
-
-def make_cache(model, policy: str | Policy = "knorm", **budget) -> KVpopCache | None:
-    """A :class:`KVpopCache` for ``model`` (``None`` for ``policy='dense'``)."""
-    if isinstance(policy, str) and policy == DENSE:
-        return None
-    return KVpopCache(model.config, policy=policy, **budget)
 
 
 @torch.no_grad()
@@ -49,7 +74,7 @@ def generate(
     tokenizer,
     prompt: str | list[str],
     *,
-    policy: str | Policy = "knorm",
+    policy: str | Policy = DEFAULT_POLICY,
     budget: int | None = None,
     k: int | None = None,
     compression: float | None = None,
@@ -59,13 +84,16 @@ def generate(
     max_new_tokens: int = 128,
     chat: bool = False,
     allow_position_overflow: bool = False,
+    policy_kwargs: dict | None = None,
     **generate_kwargs,
 ) -> GenerationResult:
     """Generate from ``prompt`` (a string or a batch of strings) with a bounded KV cache.
 
-    ``policy`` is a name from ``kvpop.POLICIES``, ``"dense"``, or a :class:`Policy`. The budget
-    is ``budget=B``, ``k=K`` (+ ``window``), or ``compression=r`` with ``reference_length=L``.
-    ``chat=True`` wraps each prompt in the tokenizer's chat template.
+    ``policy`` is a name from ``kvpop.POLICIES``, ``"dense"``, or a :class:`Policy`; the default
+    is the shipped mLSTM scorer (``"kvpop"``). ``policy_kwargs`` go to the policy factory (e.g.
+    ``{"path": "scorer.safetensors"}``). The budget is ``budget=B``, ``k=K`` (+ ``window``), or
+    ``compression=r`` with ``reference_length=L``. ``chat=True`` wraps each prompt in the
+    tokenizer's chat template.
     """
     if isinstance(policy, str) and policy != DENSE and policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {DENSE}, {', '.join(sorted(POLICIES))}")
@@ -88,6 +116,7 @@ def generate(
         reference_length=reference_length,
         window=window,
         sinks=sinks,
+        **(policy_kwargs or {}),
     )
     if chat:
         prompts = [
@@ -98,11 +127,12 @@ def generate(
         tokenizer.pad_token = tokenizer.eos_token
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
     enc = {name: t.to(model.device) for name, t in enc.items()}
-    total = enc["input_ids"].shape[1] + max_new_tokens
+    n_prompt = enc["input_ids"].shape[1]
+    total = n_prompt + max_new_tokens
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if limit is not None and total > limit and not allow_position_overflow:
         raise ValueError(
-            f"prompt ({enc['input_ids'].shape[1]} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+            f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
             f"model's position limit max_position_embeddings={limit}; positions past it are untrained and give "
             "garbage. Shorten the request or pass allow_position_overflow=True."
         )
@@ -110,11 +140,15 @@ def generate(
     generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
     if cache is not None:
         generate_kwargs["cache"] = cache
+    timer = None
+    if "streamer" not in generate_kwargs and generate_kwargs.get("num_beams", 1) == 1:
+        timer = generate_kwargs["streamer"] = _StepTimer()
     out = model.generate(**enc, max_new_tokens=max_new_tokens, **generate_kwargs)
-    new = out[:, enc["input_ids"].shape[1] :]
+    new = out[:, n_prompt:]
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     dtype = next(model.parameters()).dtype
     seen = out.shape[1] - 1  # the last sampled token is never fed back
     dense = dense_kv_bytes(model.config, out.shape[0], seen, dtype)
     held = cache.kv_bytes() if cache is not None else dense
-    return GenerationResult(texts, out, new.shape[1], cache, held, dense)
+    prefill_s, decode_s = timer.phases() if timer is not None else (None, None)
+    return GenerationResult(texts, out, new.shape[1], cache, held, dense, n_prompt, prefill_s, decode_s)

@@ -29,7 +29,8 @@ class MaskedReference:
         shape = attention_shape(model.config)
         self.model, self.cfg, self.policy = model, eviction, policy
         self.num_layers, self.kv_heads = shape.num_layers, shape.kv_heads
-        policy.setup(self.num_layers, self.kv_heads, shape.head_dim, eviction.window)
+        policy.validate(model.config, eviction)
+        self.states = [None] * self.num_layers
         self.long_range = [[[] for _ in range(self.kv_heads)] for _ in range(self.num_layers)]
         self.prio: list[dict[int, float]] = [{} for _ in range(self.num_layers)]
         self.local_probs: list[list[torch.Tensor]] = [[] for _ in range(self.num_layers)]  # [h, t+1] per query
@@ -73,10 +74,12 @@ class MaskedReference:
         p_local = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1).mean(1)  # [h, t+1]
         self.local_probs[layer].append(p_local)
         e = t - w
+        if t == 0:
+            self.states[layer] = self.policy.init_state(1, h, layer, query.device)
         if e >= s or self.policy.stateful:
             attention = None
             if self.policy.needs_attention and e >= s:
-                obs = self.policy.obs_window or w
+                obs = self.policy.observation_window(w)
                 rows = self.local_probs[layer][e + w - obs : e + w]
                 attention = torch.stack([r[:, e] for r in rows]).sum(0).view(1, h, 1)
             src = max(e, 0)
@@ -90,7 +93,8 @@ class MaskedReference:
                 new_index=torch.tensor([[t]]),
                 attention=attention,
             )
-            scores = self.policy.score(batch).float().view(h) + self.cfg.lam * e
+            self.states[layer], scores = self.policy.score(self.states[layer], batch)
+            scores = scores.float().view(h) + self.cfg.lam * e
         if e >= s:
             for head in range(h):
                 lr = self.long_range[layer][head]

@@ -56,6 +56,23 @@ def decide_one(
     return slot, accept
 
 
+def decide_one_full(
+    lr_prio: torch.Tensor, lr_idx: torch.Tensor, ex_prio: torch.Tensor, ex_idx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decide_one` when every long-range slot is held (the decode steady state).
+
+    Same arguments and result as :func:`decide_one`, under two preconditions the caller
+    guarantees: no slot is free (``lr_idx >= 0``, ``k >= 1``) and the exiting token exists and is
+    newer than every held token (always true for the window-exit rule). It skips the free-slot
+    search and the empty-slot masking; the decision itself is :func:`ranks_above` against the
+    weakest held token, exactly as in :func:`decide_one`.
+    """
+    min_prio = lr_prio.amin(-1)
+    # among equal minimum priority the newest ranks lowest: the largest index, found with its slot in one pass
+    weakest_idx, weakest = torch.where(lr_prio == min_prio.unsqueeze(-1), lr_idx, -1).max(-1)
+    return weakest, ranks_above(ex_prio, ex_idx, min_prio, weakest_idx)
+
+
 def decide_chunk(
     lr_prio: torch.Tensor,
     lr_idx: torch.Tensor,

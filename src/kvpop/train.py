@@ -391,7 +391,7 @@ def _checkpoint(cfg, out, scorer, opt, sched, step, history, model, ev) -> None:
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = p or argparse.ArgumentParser(prog="kvpop train", description="Train a KVpop scorer (LLM frozen).")
     d = TrainConfig()
-    p.add_argument("--scorer", choices=["mlp", "mlstm"], default=d.scorer)
+    p.add_argument("--kind", dest="scorer", choices=["mlp", "mlstm"], default=d.scorer, help="scorer kind (default %(default)s)")
     p.add_argument("--out", required=True, help="output folder (checkpoints, summary.json); an existing run resumes")
     p.add_argument("--model", default=None, help="local HF folder or .gguf (default: embedded SmolLM2)")
     p.add_argument("--corpora", default=",".join(d.corpora), help="comma-separated corpus names (kvpop.data)")

@@ -35,16 +35,17 @@ def parse_policy(spec: str) -> tuple[str, int | None]:
     return name, int(b)
 
 
-def make_cache(model, spec: str):
+def cache_for_spec(model, spec: str):
+    """The cache a benchmark spec stands for: a ``DynamicCache`` for ``dense`` (so its bytes can be
+    read), else :func:`kvpop.make_cache` with that policy and budget."""
     from transformers import DynamicCache
 
-    from .. import KVpopCache, get_policy
+    from .. import make_cache
 
     name, budget = parse_policy(spec)
     if name == "dense":
         return DynamicCache(config=model.config)
-    kwargs = {"model": model} if name in ("kvpop", "kvpop-mlp") else {}
-    return KVpopCache(model.config, budget=budget, policy=get_policy(name, **kwargs))
+    return make_cache(model, name, budget=budget)
 
 
 def kv_bytes(cache) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .common import kv_bytes, make_cache, median, peak_rss_bytes, rss_bytes, text_ids, write_json
+from .common import cache_for_spec, kv_bytes, median, peak_rss_bytes, rss_bytes, text_ids, write_json
 
 DEFAULT_POLICIES = "dense,streaming@512,kvpop-mlp@512,kvpop-mlp@1024"
 
@@ -35,7 +35,7 @@ def run_one(spec: str, lengths: list[int], decode_steps: int, mode: str, model_p
     model, tok = load_model(model_path, progress=False)
     total = max(lengths) + decode_steps * len(lengths) + 1
     ids = text_ids(tok, total)
-    cache = make_cache(model, spec)
+    cache = cache_for_spec(model, spec)
     pos = 0
     rows = []
     base_rss = rss_bytes()
@@ -108,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     if args._worker:
         print(json.dumps(run_one(args._worker, lengths, args.decode_steps, args.mode, args.model, args.threads)))
         return 0
-    from .. import load_model
+    from ..cli import load_model_quietly
 
-    model, _ = load_model(args.model, progress=True)  # validates the model and converts it once, up front
+    model, _ = load_model_quietly(args.model)  # validates the model and converts it once, up front
     limit = model.config.max_position_embeddings
     need = max(lengths) + args.decode_steps * len(lengths) + 1
     if need > limit:

@@ -17,28 +17,27 @@ from pathlib import Path
 
 import torch
 
-from .common import make_cache, text_ids, write_json
-
-DEFAULT = "streaming,knorm,random,tova,h2o,snapkv,kvpop-mlp,kvpop"
+from .common import cache_for_spec, text_ids, write_json
 
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvpop bench overhead", description=__doc__.split("\n\n")[0])
-    p.add_argument("--policies", default=DEFAULT)
+    p.add_argument("--policies", default=None, help="comma list (default: every policy that can generate)")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--context", type=int, default=8000)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results/bench_overhead")
     args = p.parse_args(argv)
-    from .. import POLICIES, load_model
+    from .. import POLICIES, policy_names
+    from ..cli import load_model_quietly
 
-    names = [n for n in args.policies.split(",") if n]
+    names = [n for n in (args.policies or ",".join(policy_names(dense=False, teacher_forced=False))).split(",") if n]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; known: {sorted(POLICIES)}")
-    model, tok = load_model(args.model, progress=True)
+    model, tok = load_model_quietly(args.model)
     limit = model.config.max_position_embeddings
     if args.context + args.steps + 1 > limit:
         raise SystemExit(f"--context + --steps needs {args.context + args.steps + 1} positions; the model has {limit}")
@@ -46,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in names:
         try:
-            cache = make_cache(model, f"{name}@{args.budget}")
-        except FileNotFoundError as exc:  # e.g. no shipped scorer of that kind
+            cache = cache_for_spec(model, f"{name}@{args.budget}")
+        except (FileNotFoundError, ValueError) as exc:  # e.g. no shipped scorer of that kind, or not for this model
             print(f"skip {name}: {exc}")
             continue
         model(ids[:, : args.context], cache=cache)

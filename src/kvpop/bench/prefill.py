@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .common import make_cache, median, text_ids, write_json
+from .common import cache_for_spec, median, text_ids, write_json
 
 
 @torch.no_grad()
@@ -26,15 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results/bench_prefill")
     args = p.parse_args(argv)
-    from .. import load_model
+    from ..cli import load_model_quietly
 
-    model, tok = load_model(args.model, progress=True)
+    model, tok = load_model_quietly(args.model)
     ids = text_ids(tok, args.length)
     specs = args.policies.split(",")
     times: dict[str, list[float]] = {s: [] for s in specs}
     for _ in range(args.repeats):
         for spec in specs:
-            cache = make_cache(model, spec)
+            cache = cache_for_spec(model, spec)
             t0 = time.perf_counter()
             model(ids, cache=cache)
             times[spec].append(time.perf_counter() - t0)

@@ -2,8 +2,9 @@
 
 Python API::
 
-    from kvpop.evaluate import Budget, teacher_forced, EvalConfig, run_eval
-    m = teacher_forced(model, ids, "knorm", Budget.of(512))   # one document, metrics over positions >= B
+    from kvpop import EvictionConfig
+    from kvpop.evaluate import teacher_forced, EvalConfig, run_eval
+    m = teacher_forced(model, ids, "knorm", EvictionConfig.from_budget(512))   # one document, metrics over positions >= B
     results = run_eval(model, tok, EvalConfig(tasks=("lm",)), documents={"mine": [ids]}, out="runs/x")
 
 CLI: ``kvpop eval ...`` (see :mod:`kvpop.evaluate.cli`).
@@ -12,13 +13,12 @@ CLI: ``kvpop eval ...`` (see :mod:`kvpop.evaluate.cli`).
 from .core import (
     ALL_POLICIES,
     DENSE,
-    Budget,
     DenseCache,
     PolicyUnavailable,
     Sums,
-    make_cache,
     make_policy,
     policy_available,
+    policy_cache,
     sums_from_logits,
     teacher_forced,
 )
@@ -30,7 +30,6 @@ __all__ = [
     "DENSE",
     "IN_DOMAIN",
     "TASKS",
-    "Budget",
     "DenseCache",
     "EvalConfig",
     "PolicyUnavailable",
@@ -39,11 +38,11 @@ __all__ = [
     "continuation_doc",
     "greedy",
     "lm_doc",
-    "make_cache",
     "make_policy",
     "needle_case",
     "needle_cases",
     "policy_available",
+    "policy_cache",
     "quick_config",
     "run_eval",
     "sums_from_logits",

@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--scorer",
         action="append",
-        metavar="[NAME=]PATH",
-        help="scorer checkpoint for kvpop / kvpop-mlp (NAME= picks one; bare PATH: both, the wrong kind is skipped)",
+        metavar="PATH",
+        help="a scorer checkpoint to evaluate instead of the shipped one (repeatable, one per kind); its kind, "
+        "read from the file, decides whether it is policy kvpop (mlstm) or kvpop-mlp (mlp)",
     )
     p.add_argument("--model", help="model folder / .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output folder")
@@ -72,16 +73,14 @@ def config_from_args(args) -> EvalConfig:
         if v is not None:
             over[key] = tuple(v) if isinstance(v, list) else v
     if args.scorer:
+        from ..cli import policy_for_scorer
+
         kw: dict = {}
-        for spec in args.scorer:
-            name, sep, path = spec.partition("=")
-            if not sep or name not in ("kvpop", "kvpop-mlp"):
-                name, path = None, spec
-            if name:
-                kw.setdefault(name, {})["path"] = path
-            else:  # an explicit NAME=PATH wins over a bare PATH
-                for n in ("kvpop", "kvpop-mlp"):
-                    kw.setdefault(n, {}).setdefault("path", path)
+        for path in args.scorer:
+            name = policy_for_scorer(path)
+            if name in kw:
+                raise ValueError(f"two --scorer checkpoints of policy {name}: {kw[name]['path']} and {path}")
+            kw[name] = {"path": path}
         over["policy_kwargs"] = kw
     if args.quick:
         if "doc_tokens" in over and "reference_length" not in over:
@@ -95,13 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         cfg.budgets()  # validate before loading anything
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OSError) as exc:
         print(f"kvpop eval: error: {exc}", file=sys.stderr)
         return 2
-    from ..models import load_model
+    from ..cli import load_model_quietly
 
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model_quietly(args.model)
     documents = filler = None
     if args.docs_from:
         try:

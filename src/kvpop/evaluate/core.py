@@ -11,61 +11,22 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..cache import KVpopCache
-from ..policies import POLICIES
+from ..cache import KVpopCache, make_cache
+from ..config import EvictionConfig
+from ..policies import DENSE, POLICIES, TEACHER_FORCED_ONLY, policy_names
 
-DENSE = "dense"
-ORACLE = "oracle"
-ALL_POLICIES = (
-    "dense",
-    "streaming",
-    "tova",
-    "h2o",
-    "snapkv",
-    "knorm",
-    "random",
-    "oracle",
-    "kvpop-mlp",
-    "kvpop",
-)
+ORACLE = TEACHER_FORCED_ONLY[0]
+ALL_POLICIES = tuple(policy_names())
 
 
 class PolicyUnavailable(RuntimeError):
     """A policy is not registered / cannot be built here; the harness records it as skipped."""
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Per-head budget ``B`` with its sinks and protected window (``window`` defaults to B // 8)."""
-
-    budget: int
-    window: int
-    sinks: int = 4
-    compression: float | None = None  # what it stands for, against ``reference_length``
-    reference_length: int | None = None
-
-    @classmethod
-    def from_compression(cls, compression: float, reference_length: int, sinks: int = 4) -> Budget:
-        if not 0.0 <= compression < 1.0:
-            raise ValueError(f"compression must be in [0, 1), got {compression}")
-        b = round((1.0 - compression) * reference_length)
-        return cls.of(b, sinks=sinks, compression=compression, reference_length=reference_length)
-
-    @classmethod
-    def of(cls, budget: int, window: int | None = None, sinks: int = 4, **kw) -> Budget:
-        window = max(1, budget // 8) if window is None else window
-        if budget < sinks + window:
-            raise ValueError(f"budget {budget} is smaller than sinks {sinks} + window {window}")
-        return cls(budget=budget, window=window, sinks=sinks, **kw)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def policy_available(name: str) -> str | None:
@@ -93,8 +54,8 @@ def oracle_targets(model, input_ids: Tensor, window: int) -> list[Tensor]:
     return [c.target for c in collect(model, ids, window=window)]
 
 
-def make_policy(name: str, model, input_ids: Tensor | None, budget_cfg: Budget):
-    """A policy name or instance for :class:`KVpopCache` (``None`` for dense).
+def make_policy(name: str, model, input_ids: Tensor | None, eviction: EvictionConfig):
+    """A policy name or instance for :func:`kvpop.make_cache` (``None`` for dense).
 
     ``"oracle"`` computes the true targets of ``input_ids`` (the whole sequence the cache will
     see, e.g. prompt + dense continuation) with ``kvpop.capture.collect`` and builds an
@@ -110,39 +71,22 @@ def make_policy(name: str, model, input_ids: Tensor | None, budget_cfg: Budget):
 
         if input_ids is None:
             raise PolicyUnavailable("oracle needs the whole sequence in advance")
-        return OraclePolicy(oracle_targets(model, input_ids, budget_cfg.window))
+        return OraclePolicy(oracle_targets(model, input_ids, eviction.window))
     return name
 
 
-LEARNED = ("kvpop", "kvpop-mlp")
-
-
-def make_cache(
-    model, name: str, input_ids: Tensor | None, budget_cfg: Budget, **policy_kwargs
+def policy_cache(
+    model, name: str, input_ids: Tensor | None, eviction: EvictionConfig, **policy_kwargs
 ) -> KVpopCache | None:
-    """A fresh cache for policy ``name`` (None for dense); ``policy_kwargs`` go to the policy factory
-    (e.g. ``path=`` a scorer checkpoint for ``kvpop`` / ``kvpop-mlp``)."""
-    policy = make_policy(name, model, input_ids, budget_cfg)
+    """:func:`kvpop.make_cache` for policy ``name`` (None for dense), with anything that keeps the
+    policy from being built here (a learned scorer missing or for another model) raised as
+    :class:`PolicyUnavailable`; ``policy_kwargs`` go to the policy factory (e.g. ``path=``)."""
+    policy = make_policy(name, model, input_ids, eviction)
     if policy is None:
         return None
-    if name in LEARNED and policy_kwargs.get("path") is not None:
-        policy_kwargs.setdefault("model", model)
     try:
-        return KVpopCache(
-            model.config,
-            budget=budget_cfg.budget,
-            window=budget_cfg.window,
-            sinks=budget_cfg.sinks,
-            policy=policy,
-            **policy_kwargs,
-        )
-    except (
-        TypeError,
-        ValueError,
-        KeyError,
-        OSError,
-        RuntimeError,
-    ) as exc:  # e.g. a learned scorer missing/for another model
+        return make_cache(model, policy, eviction=eviction, **policy_kwargs)
+    except (TypeError, ValueError, KeyError, OSError, RuntimeError) as exc:
         raise PolicyUnavailable(f"cannot build policy {name!r}: {exc}") from exc
 
 
@@ -304,7 +248,7 @@ def teacher_forced(
     model,
     input_ids: Tensor,
     policy: str,
-    budget: Budget,
+    budget: EvictionConfig,
     *,
     score_from: int | None = None,
     dense: DenseCache | None = None,
@@ -332,7 +276,7 @@ def teacher_forced(
     if policy == DENSE:
         ph = dh
     else:
-        cache = make_cache(model, policy, input_ids, budget, **(policy_kwargs or {}))
+        cache = policy_cache(model, policy, input_ids, budget, **(policy_kwargs or {}))
         ph = hidden_states(model, input_ids, cache)
     sums = sums_from_hidden(model, dh, ph, input_ids, start)
     out = sums.metrics()

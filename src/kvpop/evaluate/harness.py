@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .core import ALL_POLICIES, DENSE, Budget, DenseCache, PolicyUnavailable, Sums, policy_available
+from ..config import EvictionConfig
+from .core import ALL_POLICIES, DENSE, DenseCache, PolicyUnavailable, Sums, policy_available
 from .tasks import TASKS, agreement_doc, continuation_doc, lm_doc, needle_case, needle_cases
 
 
@@ -68,8 +69,12 @@ class EvalConfig:
         None  # policy name -> factory kwargs, e.g. {"kvpop": {"path": "scorer.safetensors"}}
     )
 
-    def budgets(self) -> list[Budget]:
-        return [Budget.from_compression(c, self.reference_length, self.sinks) for c in self.compressions]
+    def budgets(self) -> list[EvictionConfig]:
+        """One resolved budget per compression (``EvictionConfig.from_budget``: the one resolver)."""
+        return [
+            EvictionConfig.from_budget(compression=c, reference_length=self.reference_length, sinks=self.sinks)
+            for c in self.compressions
+        ]
 
     def context(self) -> int:
         return self.continuation_context or (3 * self.doc_tokens) // 4
@@ -157,10 +162,10 @@ def _clean(x):
     return x
 
 
-def _budget_fields(b: Budget | None) -> dict:
+def _budget_fields(b: EvictionConfig | None, compression: dict) -> dict:
     if b is None:
         return {"budget": None, "window": None, "sinks": None, "compression": 0.0}
-    return {"budget": b.budget, "window": b.window, "sinks": b.sinks, "compression": b.compression}
+    return {"budget": b.budget, "window": b.window, "sinks": b.sinks, "compression": compression[b]}
 
 
 @torch.no_grad()
@@ -193,6 +198,7 @@ def run_eval(
         else:
             skipped[p] = reason
     budgets = cfg.budgets()
+    compression = dict(zip(budgets, cfg.compressions))  # what each budget stands for, for the records
 
     if documents is not None:
         sources = [("user", name, [d.view(-1).cpu() for d in ds]) for name, ds in documents.items()]
@@ -250,7 +256,7 @@ def run_eval(
         per_item.setdefault((task, p, b, dom), []).append(r)
     bar.close()
 
-    records = [_aggregate(task, p, b, dom, rs) for (task, p, b, dom), rs in per_item.items()]
+    records = [_aggregate(task, p, b, dom, rs, compression) for (task, p, b, dom), rs in per_item.items()]
     results = {
         "schema_version": SCHEMA_VERSION,
         "config": _clean(asdict(cfg)),
@@ -273,8 +279,9 @@ def run_eval(
     return results
 
 
-def _aggregate(task: str, policy: str, b: Budget | None, domain: str, rs: list[dict]) -> dict:
-    rec = {"task": task, "policy": policy, "domain": domain, **_budget_fields(b)}
+def _aggregate(task: str, policy: str, b: EvictionConfig | None, domain: str, rs: list[dict],
+               compression: dict) -> dict:  # fmt: skip
+    rec = {"task": task, "policy": policy, "domain": domain, **_budget_fields(b, compression)}
     rec["corpora"] = sorted({r["corpus"] for r in rs})
     rec["wall_s"] = sum(r["wall_s"] for r in rs)
     rec["n_items"] = len(rs)

@@ -18,16 +18,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .core import DENSE, Budget, DenseCache, doc_key, make_cache, teacher_forced
+from ..config import EvictionConfig
+from .core import DENSE, DenseCache, doc_key, policy_cache, teacher_forced
 
 TASKS = ("lm", "continuation", "needle", "agreement")
 
 
-def lm_doc(model, ids: Tensor, policy: str, budget: Budget, dense: DenseCache, **policy_kwargs) -> dict:
+def lm_doc(model, ids: Tensor, policy: str, budget: EvictionConfig, dense: DenseCache, **policy_kwargs) -> dict:
     return teacher_forced(model, ids, policy, budget, dense=dense, policy_kwargs=policy_kwargs)
 
 
-def continuation_doc(model, ids: Tensor, context: int, policy: str, budget: Budget, dense: DenseCache,
+def continuation_doc(model, ids: Tensor, context: int, policy: str, budget: EvictionConfig, dense: DenseCache,
                      **policy_kwargs) -> dict:  # fmt: skip
     """``ids`` = context + continuation; position ``context - 1`` predicts the first continuation token."""
     if not 1 <= context < ids.numel():
@@ -65,7 +66,7 @@ def greedy(
     return out[0, ids.shape[1] :].cpu()
 
 
-def _policy_generate(model, tokenizer, prompt: Tensor, n: int, policy: str, budget: Budget, dense: DenseCache,
+def _policy_generate(model, tokenizer, prompt: Tensor, n: int, policy: str, budget: EvictionConfig, dense: DenseCache,
                      force_length: bool, policy_kwargs: dict) -> tuple[Tensor, Tensor, float]:  # fmt: skip
     """(dense new ids, policy new ids, policy wall seconds)."""
     key = (doc_key(prompt), n, force_length)
@@ -75,12 +76,12 @@ def _policy_generate(model, tokenizer, prompt: Tensor, n: int, policy: str, budg
     t0 = time.perf_counter()
     # the oracle needs the whole sequence in advance: prompt + the dense continuation
     full = torch.cat([prompt.view(-1), dense_new])
-    cache = make_cache(model, policy, full, budget, **policy_kwargs)
+    cache = policy_cache(model, policy, full, budget, **policy_kwargs)
     new = greedy(model, tokenizer, prompt, n, cache, force_length)
     return dense_new, new, time.perf_counter() - t0
 
 
-def agreement_doc(model, tokenizer, prompt: Tensor, n_new: int, policy: str, budget: Budget, dense: DenseCache,
+def agreement_doc(model, tokenizer, prompt: Tensor, n_new: int, policy: str, budget: EvictionConfig, dense: DenseCache,
                   **policy_kwargs) -> dict:  # fmt: skip
     """Greedy ``n_new`` tokens under the policy vs dense (eos suppressed so both have ``n_new``)."""
     d, p, wall = _policy_generate(model, tokenizer, prompt, n_new, policy, budget, dense, True, policy_kwargs)
@@ -141,7 +142,7 @@ def needle_cases(tokenizer, filler_text: str, lengths, depths, seed: int = 0) ->
     return cases
 
 
-def needle_case(model, tokenizer, case: NeedleCase, policy: str, budget: Budget, dense: DenseCache,
+def needle_case(model, tokenizer, case: NeedleCase, policy: str, budget: EvictionConfig, dense: DenseCache,
                 max_new_tokens: int = 16, **policy_kwargs) -> dict:  # fmt: skip
     _, new, wall = _policy_generate(model, tokenizer, case.ids, max_new_tokens, policy, budget, dense, False,
                                     policy_kwargs)  # fmt: skip

@@ -1,18 +1,25 @@
-"""Eviction policies by name. One file per policy; ``base.Policy`` is the protocol."""
+"""Eviction policies by name. One file per policy; ``base.Policy`` is the protocol.
+
+The names are listed here and only here: the CLI's ``--policy`` choices, the evaluation's
+default grid and the benchmarks' defaults all come from :func:`policy_names`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import ExitBatch, Policy
+from .base import ExitBatch, Policy, map_state
 from .h2o import H2OPolicy
 from .knorm import KnormPolicy
-from .learned import LearnedPolicy, learned_policy_factory
+from .learned import KIND_TO_POLICY, LearnedPolicy, learned_policy_factory
 from .oracle import OraclePolicy
 from .random import RandomPolicy
 from .snapkv import SnapKVPolicy
 from .streaming import StreamingPolicy
 from .tova import TovaPolicy
+
+DENSE = "dense"  # not a policy: no eviction, a plain transformers cache
+DEFAULT_POLICY = "kvpop"  # the shipped mLSTM scorer
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "streaming": StreamingPolicy,
@@ -22,13 +29,23 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "knorm": KnormPolicy,
     "random": RandomPolicy,
     "oracle": OraclePolicy,
-    "kvpop": learned_policy_factory("mlstm"),
     "kvpop-mlp": learned_policy_factory("mlp"),
+    "kvpop": learned_policy_factory("mlstm"),
 }
+LEARNED_POLICIES = tuple(KIND_TO_POLICY.values())  # built from a scorer checkpoint: accept path= and model=
+TEACHER_FORCED_ONLY = ("oracle",)  # needs the whole sequence in advance: not for free generation
+
+
+def policy_names(*, dense: bool = True, teacher_forced: bool = True) -> list[str]:
+    """Every registered name, in table order; ``dense`` first when asked for."""
+    names = [n for n in POLICIES if teacher_forced or n not in TEACHER_FORCED_ONLY]
+    return [DENSE, *names] if dense else names
 
 
 def register_policy(name: str, factory: Callable[..., Policy]) -> None:
-    """Make a policy available by name (used for the oracle and the learned scorers)."""
+    """Make a policy available by name."""
+    if name == DENSE:
+        raise ValueError(f"{DENSE!r} is reserved for no eviction")
     POLICIES[name] = factory
 
 
@@ -42,7 +59,12 @@ def get_policy(policy: str | Policy, **kwargs) -> Policy:
 
 
 __all__ = [
+    "DEFAULT_POLICY",
+    "DENSE",
+    "KIND_TO_POLICY",
+    "LEARNED_POLICIES",
     "POLICIES",
+    "TEACHER_FORCED_ONLY",
     "ExitBatch",
     "H2OPolicy",
     "KnormPolicy",
@@ -54,5 +76,7 @@ __all__ = [
     "StreamingPolicy",
     "TovaPolicy",
     "get_policy",
+    "map_state",
+    "policy_names",
     "register_policy",
 ]

@@ -1,17 +1,30 @@
 """The policy protocol: how a token leaving the window gets its (frozen) score.
 
-A policy is asked once per layer and chunk to score the tokens that leave the protected
-window in that chunk (``ExitBatch``). It may keep state across calls (``reset`` clears it);
-attention-based heuristics declare ``needs_attention`` and then receive, per exiting token,
-the attention it got from the last ``obs_window`` queries that had it inside their window.
-That statistic is normalised over the query's sinks + window only, so it does not depend
-on earlier eviction decisions — which keeps a chunked prefill exactly equal to the
-token-by-token rule for every policy.
+A policy is *stateless*: it holds configuration (and, for the learned ones, weights) only, so
+one instance can serve any number of caches at once. Anything that depends on the sequences
+being generated lives in the cache layer that calls it:
+
+* :meth:`Policy.init_state` makes a layer's per-sequence state (``None`` for most policies);
+* :meth:`Policy.score` takes that state and the chunk's exits and returns the new state with
+  the scores.
+
+A state is ``None``, a tensor, or (nested) tuples, NamedTuples, lists or dicts of tensors whose
+dim 0 is the batch row, so the cache can reorder, select, repeat or reset it without knowing
+what it is (:func:`map_state`; beam search, ``batch_repeat_interleave``,
+``batch_select_indices``, ``reset``).
+
+Attention-based heuristics declare ``needs_attention`` and then receive, per exiting token,
+the attention it got from the last :meth:`Policy.observation_window` queries that had it inside
+their window (the cache keeps that statistic, per row, in its layers). It is normalised over
+the query's sinks + window only, so it does not depend on earlier eviction decisions, which
+keeps a chunked prefill exactly equal to the token-by-token rule for every policy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,31 +48,53 @@ class ExitBatch:
     all_valid: bool = False  # True when no new token is padding (lets policies skip masking)
 
 
+State = Any  # None | Tensor | tuple / NamedTuple / list / dict of states, batch rows on dim 0
+
+
+def map_state(state: State, fn: Callable[[torch.Tensor], torch.Tensor]) -> State:
+    """Apply ``fn`` to every tensor of a policy state, keeping its structure."""
+    if state is None:
+        return None
+    if isinstance(state, torch.Tensor):
+        return fn(state)
+    if isinstance(state, tuple) and hasattr(state, "_fields"):  # NamedTuple
+        return type(state)(*(map_state(s, fn) for s in state))
+    if isinstance(state, (tuple, list)):
+        return type(state)(map_state(s, fn) for s in state)
+    if isinstance(state, dict):
+        return {k: map_state(v, fn) for k, v in state.items()}
+    raise TypeError(
+        f"a policy state must be None, a tensor, or tuples/lists/dicts of tensors; got {type(state).__name__}"
+    )
+
+
 class Policy:
     """Base class. Subclasses set ``name`` and implement :meth:`score`.
 
-    ``score`` returns ``[b, h, X]`` finite floats; higher means keep. Scores of absent exits
-    are ignored. ``uses_long_range = False`` turns the budget into sinks + one long window
-    (StreamingLLM at equal ``B``).
+    ``score`` returns ``(state, scores)`` with ``scores [b, h, X]`` finite floats; higher means
+    keep. Scores of absent exits are ignored. ``uses_long_range = False`` turns the budget into
+    sinks + one long window (StreamingLLM at equal ``B``). ``stateful = True`` asks the cache to
+    call ``score`` for every chunk, also those without exits, so the state sees every token.
     """
 
     name: str = "base"
     needs_attention: bool = False
     obs_window: int | None = None  # None: every query that had the token in its window
     uses_long_range: bool = True
-    stateful: bool = False  # True: must see every chunk (also those without exits) to advance its state
+    stateful: bool = False
 
-    def setup(self, num_layers: int, num_kv_heads: int, head_dim: int, window: int) -> None:
-        """Called once by the cache before the first token; policies size their state here."""
-        self.num_layers, self.num_kv_heads, self.head_dim, self.window = num_layers, num_kv_heads, head_dim, window
+    def validate(self, config, eviction) -> None:
+        """Refuse a model ``config`` / ``EvictionConfig`` this policy cannot serve. Must not mutate the policy."""
 
-    def reset(self) -> None:
-        """Forget per-sequence state (a new generation starts)."""
+    def observation_window(self, window: int) -> int:
+        """How many of the last queries' attention counts, for a cache with this protected window."""
+        return window if self.obs_window is None else min(self.obs_window, window)
 
-    def reorder(self, index: torch.Tensor) -> None:
-        """Select/reorder batch rows of any per-row state (beam search, repeats)."""
+    def init_state(self, batch: int, num_kv_heads: int, layer_idx: int, device: torch.device) -> State:
+        """A fresh per-sequence state of one layer (held by the cache layer, not by the policy)."""
+        return None
 
-    def score(self, batch: ExitBatch) -> torch.Tensor:
+    def score(self, state: State, batch: ExitBatch) -> tuple[State, torch.Tensor]:
         raise NotImplementedError
 
     def __repr__(self) -> str:

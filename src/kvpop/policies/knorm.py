@@ -14,5 +14,5 @@ from .base import ExitBatch, Policy
 class KnormPolicy(Policy):
     name = "knorm"
 
-    def score(self, batch: ExitBatch) -> torch.Tensor:
-        return -batch.keys.float().norm(dim=-1)
+    def score(self, state, batch: ExitBatch) -> tuple[None, torch.Tensor]:
+        return state, -batch.keys.float().norm(dim=-1)

@@ -3,71 +3,91 @@
 The stateless MLP scores the exiting token's ``[k; v]``. The stateful mLSTM advances its
 per-head state with every new token of the layer and reads it when a token exits, at the
 exit step (new token ``j`` of the chunk pushes out token ``j - window``), so a chunked
-prefill, decode, and the training-time parallel form all see the same state.
+prefill, decode, and the training-time parallel form all see the same state. That state
+(``kvpop.scorers.MLSTMState``) belongs to the cache layer, not to the policy: one policy
+serves any number of caches and batch rows.
+
+A policy built from a checkpoint carries the checkpoint's base-model fingerprint and refuses
+a model config it was not trained for (:meth:`LearnedPolicy.validate`, called by every
+``KVpopCache``); the weight hash is checked when the model itself is given to the factory.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from ..config import attention_shape
 from ..scorers import ScorerStack
 from .base import ExitBatch, Policy
+
+KIND_TO_POLICY = {"mlstm": "kvpop", "mlp": "kvpop-mlp"}
 
 
 class LearnedPolicy(Policy):
     name = "kvpop"
 
-    def __init__(self, scorer: ScorerStack, name: str | None = None) -> None:
+    def __init__(self, scorer: ScorerStack, name: str | None = None, fingerprint: dict | None = None,
+                 source: str | None = None) -> None:  # fmt: skip
         self.scorer = scorer.eval()
-        self.name = name or ("kvpop" if scorer.config.kind == "mlstm" else "kvpop-mlp")
-        self.states: list | None = None
+        self.name = name or KIND_TO_POLICY[scorer.config.kind]
         self.stateful = bool(scorer.is_stateful)
+        self.fingerprint = fingerprint  # base-model fingerprint of the checkpoint (None: not from a checkpoint)
+        self.source = source or "(in memory)"
 
-    def setup(self, num_layers: int, num_kv_heads: int, head_dim: int, window: int) -> None:
-        super().setup(num_layers, num_kv_heads, head_dim, window)
+    def validate(self, config, eviction) -> None:
+        from ..checkpoint import ScorerMismatchError, check_fingerprint
+
+        check_fingerprint(self.fingerprint, self.source, config=config)
         cfg = self.scorer.config
-        if (cfg.num_layers, cfg.kv_heads, cfg.head_dim) != (num_layers, num_kv_heads, head_dim):
-            raise ValueError(
-                f"scorer was built for {cfg.num_layers} layers x {cfg.kv_heads} KV heads x head_dim {cfg.head_dim}; "
-                f"this model has {num_layers} x {num_kv_heads} x {head_dim}"
+        shape = attention_shape(config)
+        if (cfg.num_layers, cfg.kv_heads, cfg.head_dim) != (shape.num_layers, shape.kv_heads, shape.head_dim):
+            raise ScorerMismatchError(
+                f"scorer {self.source} was built for {cfg.num_layers} layers x {cfg.kv_heads} KV heads x head_dim "
+                f"{cfg.head_dim}; this model has {shape.num_layers} x {shape.kv_heads} x {shape.head_dim}"
             )
-        self.states = None
 
-    def reset(self) -> None:
-        self.states = None
-
-    def reorder(self, index: torch.Tensor) -> None:
-        if self.states is not None:
-            self.states = [s.index_select(index) if s is not None else None for s in self.states]
+    def init_state(self, batch: int, num_kv_heads: int, layer_idx: int, device):
+        return self.scorer[layer_idx].init_state(batch, device=device, dtype=torch.float32)
 
     @torch.no_grad()
-    def score(self, batch: ExitBatch) -> torch.Tensor:
-        b, _, c, _ = batch.new_keys.shape
+    def score(self, state, batch: ExitBatch):
+        c = batch.new_keys.shape[2]
         dev = batch.new_keys.device
-        if self.states is None:
-            self.states = self.scorer.init_state(b, device=dev, dtype=torch.float32)
-        l = batch.layer_idx
         mask = None if batch.all_valid else batch.new_index >= 0
         # decode (one new token): read after it, the scorer's single-step fast path
         read_steps = None if c == 1 else torch.arange(c, device=dev)
         state, scores = self.scorer.step_and_read(
-            l, self.states[l], batch.new_keys.float(), batch.new_values.float(),
+            batch.layer_idx, state, batch.new_keys.float(), batch.new_values.float(),
             batch.keys.float(), batch.values.float(), read_steps, mask,
         )
-        self.states[l] = state
-        return scores.float()
+        return state, scores.float()
+
+    def __repr__(self) -> str:
+        return f"LearnedPolicy({self.name}, {os.path.basename(self.source)})"
 
 
 def learned_policy_factory(kind: str):
-    """Factory registered as ``kvpop`` / ``kvpop-mlp``: a given scorer, a checkpoint path, or the shipped one."""
+    """Factory registered as ``kvpop`` / ``kvpop-mlp``: a given scorer, a checkpoint path, or the shipped one.
 
-    def make(scorer: ScorerStack | None = None, path: str | None = None, model=None) -> LearnedPolicy:
+    ``model=``: also check the checkpoint's weight hash against it (the config part is checked
+    by every cache the policy is used in).
+    """
+
+    def make(scorer: ScorerStack | None = None, path=None, model=None) -> LearnedPolicy:
         from ..checkpoint import default_scorer_path, load_scorer
 
+        fingerprint = source = None
         if scorer is None:
-            scorer, _ = load_scorer(path or default_scorer_path(kind), model=model)
+            path = path or default_scorer_path(kind)
+            scorer, meta = load_scorer(path, model=model)
+            fingerprint, source = meta.get("fingerprint"), str(path)
         if scorer.config.kind != kind:
-            raise ValueError(f"policy {'kvpop' if kind == 'mlstm' else 'kvpop-mlp'} needs a {kind} scorer, got {scorer.config.kind}")
-        return LearnedPolicy(scorer)
+            raise ValueError(
+                f"policy {KIND_TO_POLICY[kind]} needs a {kind} scorer, got a {scorer.config.kind} one "
+                f"(that is policy {KIND_TO_POLICY[scorer.config.kind]})"
+            )
+        return LearnedPolicy(scorer, fingerprint=fingerprint, source=source)
 
     return make

@@ -18,7 +18,7 @@ from .base import ExitBatch, Policy
 class ObservedAttentionPolicy(Policy):
     needs_attention = True
 
-    def score(self, batch: ExitBatch) -> torch.Tensor:
+    def score(self, state, batch: ExitBatch) -> tuple[None, torch.Tensor]:
         if batch.attention is None:
             raise RuntimeError(f"{self.name} needs attention statistics but the cache gave none")
-        return batch.attention.float()
+        return state, batch.attention.float()

@@ -4,12 +4,16 @@ It needs the whole sequence in advance (teacher-forced evaluation): ``targets[la
 log target ``[batch, kv_heads, S]`` from ``kvpop.capture.collect(model, ids, window=W)``. Under
 the window-exit rule this is exactly the teacher of the boundary loss, the upper bound for any
 learned scorer at the same budget.
+
+Its per-sequence state is the row of ``targets`` each cache row reads (so beam search and batch
+reordering keep every row on its own targets); targets of batch 1 serve every row.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..config import attention_shape
 from .base import ExitBatch, Policy
 
 
@@ -24,18 +28,24 @@ class OraclePolicy(Policy):
             )
         self.targets = [t.float() for t in targets]
 
-    def setup(self, num_layers: int, num_kv_heads: int, head_dim: int, window: int) -> None:
-        super().setup(num_layers, num_kv_heads, head_dim, window)
-        if len(self.targets) != num_layers:
-            raise ValueError(f"oracle has targets for {len(self.targets)} layers, the model has {num_layers}")
+    def validate(self, config, eviction) -> None:
+        shape = attention_shape(config)
+        if len(self.targets) != shape.num_layers:
+            raise ValueError(f"oracle has targets for {len(self.targets)} layers, the model has {shape.num_layers}")
         for t in self.targets:
-            if t.ndim != 3 or t.shape[1] != num_kv_heads:
-                raise ValueError(f"oracle targets must be [batch, {num_kv_heads}, S], got {tuple(t.shape)}")
+            if t.ndim != 3 or t.shape[1] != shape.kv_heads:
+                raise ValueError(f"oracle targets must be [batch, {shape.kv_heads}, S], got {tuple(t.shape)}")
 
-    def score(self, batch: ExitBatch) -> torch.Tensor:
-        target = self.targets[batch.layer_idx].to(batch.keys.device)
+    def init_state(self, batch: int, num_kv_heads: int, layer_idx: int, device) -> torch.Tensor:
+        rows = self.targets[layer_idx].shape[0]
+        if rows not in (1, batch):
+            raise ValueError(f"oracle targets have {rows} rows; the cache has {batch}")
+        return torch.arange(batch, device=device) if rows == batch else torch.zeros(batch, dtype=torch.long, device=device)
+
+    def score(self, state: torch.Tensor, batch: ExitBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        target = self.targets[batch.layer_idx].to(batch.keys.device).index_select(0, state)
         b, h, x, _ = batch.keys.shape
         if batch.index.max() >= target.shape[-1]:
             raise ValueError(f"oracle targets cover {target.shape[-1]} tokens; token {int(batch.index.max())} exited")
         idx = batch.index.clamp(min=0).unsqueeze(1).expand(b, h, x)
-        return target.gather(2, idx)
+        return state, target.gather(2, idx)

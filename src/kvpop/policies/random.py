@@ -25,11 +25,11 @@ class RandomPolicy(Policy):
     def __init__(self, seed: int = 0) -> None:
         self.seed = int(seed)
 
-    def score(self, batch: ExitBatch) -> torch.Tensor:
+    def score(self, state, batch: ExitBatch) -> tuple[None, torch.Tensor]:
         b, h, x, _ = batch.keys.shape
         head = torch.arange(h, device=batch.keys.device).view(1, h, 1)
         index = batch.index.unsqueeze(1).expand(b, h, x)
-        return hash_uniform(self.seed, batch.layer_idx, head, index)
+        return state, hash_uniform(self.seed, batch.layer_idx, head, index)
 
     def __repr__(self) -> str:
         return f"RandomPolicy(seed={self.seed})"

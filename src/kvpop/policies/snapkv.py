@@ -1,7 +1,8 @@
 """SnapKV (Li et al., 2024): score tokens by the attention of an observation window of queries.
 
 Adapted to the window-exit rule: the mean attention the token received from the last
-``obs_window`` queries before it left the window (default 32, capped at the window).
+``obs_window`` queries before it left the window (default 32; a cache with a shorter window
+uses all of its window, see :meth:`Policy.observation_window`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,6 @@ class SnapKVPolicy(ObservedAttentionPolicy):
         if obs_window < 1:
             raise ValueError(f"obs_window must be >= 1, got {obs_window}")
         self.obs_window = int(obs_window)
-
-    def setup(self, num_layers: int, num_kv_heads: int, head_dim: int, window: int) -> None:
-        super().setup(num_layers, num_kv_heads, head_dim, window)
-        self.obs_window = min(self.obs_window, window)
 
     def __repr__(self) -> str:
         return f"SnapKVPolicy(obs_window={self.obs_window})"

@@ -15,6 +15,6 @@ class StreamingPolicy(Policy):
     name = "streaming"
     uses_long_range = False
 
-    def score(self, batch: ExitBatch) -> torch.Tensor:
+    def score(self, state, batch: ExitBatch) -> tuple[None, torch.Tensor]:
         b, h, x, _ = batch.keys.shape
-        return torch.zeros(b, h, x, dtype=torch.float32, device=batch.keys.device)
+        return state, torch.zeros(b, h, x, dtype=torch.float32, device=batch.keys.device)

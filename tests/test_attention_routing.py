@@ -1,0 +1,70 @@
+"""Creating a KVpopCache routes the model's attention through kvpop; for any other cache that
+routing is a no-op: bit-identical logits and generations, during and after the kvpop cache."""
+
+import gc
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+import kvpop
+from kvpop import KVpopCache
+from kvpop.testing import tiny_model
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+@torch.no_grad()
+def _behaviour(model):
+    """Logits and greedy tokens under no cache, DynamicCache and StaticCache (prefill + decode), padded batch."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 128, (2, 24), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    out = {"none": model(ids, attention_mask=mask, use_cache=False).logits}
+    for name, make in (("dynamic", lambda: DynamicCache(config=model.config)),
+                       ("static", lambda: StaticCache(config=model.config, max_cache_len=64))):  # fmt: skip
+        cache = make()
+        logits = [model(ids[:, :16], attention_mask=mask[:, :16], past_key_values=cache).logits]
+        for i in range(16, 24):
+            logits.append(model(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], past_key_values=cache).logits)
+        out[name] = torch.cat(logits, 1)
+    out["generate"] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    out["generate_static"] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                            pad_token_id=0, cache_implementation="static")  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("qwen3", "eager")])
+def test_other_caches_behave_exactly_as_before(arch, attn):
+    model = tiny_model(arch, attn_implementation=attn)
+    before = _behaviour(model)
+    cache = KVpopCache(model.config, budget=12, window=4, sinks=2, policy="knorm")
+    assert model.config._attn_implementation == "kvpop"  # the documented routing
+    during = _behaviour(model)  # the kvpop cache exists but is not used
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 30)), past_key_values=cache)
+    del cache
+    gc.collect()
+    after = _behaviour(model)
+    for name in before:
+        assert torch.equal(before[name], during[name]), name
+        assert torch.equal(before[name], after[name]), name
+    kvpop.detach(model.config)  # restores the implementation's name too
+    assert model.config._attn_implementation == attn
+    restored = _behaviour(model)
+    for name in before:
+        assert torch.equal(before[name], restored[name]), name
+
+
+def test_a_detached_model_refuses_its_old_kvpop_cache():
+    model = tiny_model("llama")
+    cache = KVpopCache(model.config, budget=12, window=4, sinks=2, policy="knorm")
+    kvpop.detach(model.config)
+    with pytest.raises(RuntimeError, match="kvpop.detach was called after this cache was created"), torch.no_grad():
+        model(torch.randint(3, 128, (1, 8)), past_key_values=cache)
+    fresh = KVpopCache(model.config, budget=12, window=4, sinks=2, policy="knorm")  # routes again
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 20)), past_key_values=fresh)
+    assert fresh.get_seq_length() == 20 and int(fresh.layers[0].slot_index.max()) == 19

@@ -1,0 +1,109 @@
+"""Scorer checkpoints meet models: config fingerprint always, weight hash when the model is at hand."""
+
+import warnings
+
+import pytest
+
+from kvpop import KVpopCache, get_policy
+from kvpop.checkpoint import (
+    ScorerMismatchError,
+    config_fingerprint,
+    load_scorer,
+    model_fingerprint,
+    save_scorer,
+)
+from kvpop.scorers import ScorerConfig, build_scorer
+from kvpop.testing import tiny_config, tiny_model
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+KW = {"budget": 16, "window": 4, "sinks": 2}
+
+
+def _scorer_for(model, path, fingerprint=None, kind="mlp"):
+    cfg = ScorerConfig(kind=kind, num_layers=2, kv_heads=2, head_dim=16)
+    fp = model_fingerprint(model) if fingerprint is None else fingerprint
+    return save_scorer(build_scorer(cfg), path, {"fingerprint": fp})
+
+
+def test_config_fingerprint_fields():
+    fp = config_fingerprint(tiny_config("qwen3", num_hidden_layers=3))
+    assert fp == {"model_type": "qwen3", "num_layers": 3, "q_heads": 4, "kv_heads": 2, "head_dim": 16,
+                  "hidden_size": 64, "vocab_size": 128, "rope": {"rope_theta": 10000.0, "rope_type": "default"}}  # fmt: skip
+    assert set(model_fingerprint(tiny_model("qwen3"))) == set(fp) | {"weights_sha256"}
+
+
+def test_config_fingerprint_checked_without_the_model(tmp_path):
+    """KVpopCache(config, policy=...) has no weights to hash; the config part is still checked."""
+    model = tiny_model("llama")
+    path = _scorer_for(model, tmp_path / "s.safetensors")
+    pol = get_policy("kvpop-mlp", path=path)
+    KVpopCache(model.config, policy=pol, **KW)  # the model it was trained for
+    other_rope = tiny_config("llama", rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    with pytest.raises(ScorerMismatchError, match="rope: trained"):
+        KVpopCache(other_rope, policy=pol, **KW)
+    with pytest.raises(ScorerMismatchError, match="vocab_size: trained 128 vs this model 256"):
+        KVpopCache(tiny_config("llama", vocab_size=256), policy="kvpop-mlp", path=path, **KW)
+    with pytest.raises(ScorerMismatchError, match="model_type: trained 'llama' vs this model 'qwen2'"):
+        KVpopCache(tiny_config("qwen2"), policy=pol, **KW)
+
+
+def test_weights_checked_when_the_model_is_given(tmp_path):
+    model, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    path = _scorer_for(model, tmp_path / "s.safetensors")
+    KVpopCache(model.config, policy="kvpop-mlp", path=path, model=model, **KW)
+    KVpopCache(other.config, policy="kvpop-mlp", path=path, **KW)  # same config: only the weights differ
+    with pytest.raises(ScorerMismatchError, match="weights_sha256"):
+        KVpopCache(other.config, policy="kvpop-mlp", path=path, model=other, **KW)
+    with pytest.raises(ScorerMismatchError, match="different model"):
+        load_scorer(path, model=other)
+
+
+def test_old_checkpoint_fingerprint_missing_fields_are_not_a_mismatch(tmp_path):
+    """Shipped checkpoints record only architecture, layers, KV heads, head dim and the weight hash."""
+    model = tiny_model("llama")
+    old = {k: v for k, v in model_fingerprint(model).items()
+           if k in ("model_type", "num_layers", "kv_heads", "head_dim", "weights_sha256")}  # fmt: skip
+    path = _scorer_for(model, tmp_path / "old.safetensors", fingerprint=old)
+    KVpopCache(tiny_config("llama", vocab_size=256), policy="kvpop-mlp", path=path, **KW)  # vocab not recorded
+    KVpopCache(model.config, policy="kvpop-mlp", path=path, model=model, **KW)
+    with pytest.raises(ScorerMismatchError, match="num_layers: trained 2 vs this model 3"):
+        KVpopCache(tiny_config("llama", num_hidden_layers=3), policy="kvpop-mlp", path=path, **KW)
+
+
+@pytest.mark.parametrize("name", ["kvpop", "kvpop-mlp"])
+def test_shipped_scorer_refuses_a_tiny_model(name):
+    with pytest.raises(ScorerMismatchError, match="num_layers: trained 30 vs this model 2"):
+        KVpopCache(tiny_model("llama").config, policy=name, **KW)
+
+
+def test_default_policy_is_the_shipped_scorer_and_refuses_a_tiny_model():
+    """KVpopCache, make_cache and kvpop.generate default to policy "kvpop"; on a model it was not
+    trained for that is a clear error before any work."""
+    import kvpop
+    from kvpop.testing import tiny_tokenizer
+
+    model = tiny_model("qwen2")
+    for build in (lambda: KVpopCache(model.config, **KW), lambda: kvpop.make_cache(model, **KW),
+                  lambda: kvpop.generate(model, tiny_tokenizer(), "hello", max_new_tokens=2, **KW)):  # fmt: skip
+        with pytest.raises(ScorerMismatchError, match=r"smollm2-135m-instruct-mlstm.*model_type: trained 'llama'"):
+            build()
+    assert kvpop.DEFAULT_POLICY == "kvpop"
+
+
+def test_scorer_without_fingerprint_still_checks_shapes():
+    cfg = ScorerConfig(kind="mlstm", num_layers=3, kv_heads=2, head_dim=16)
+    from kvpop.policies import LearnedPolicy
+
+    with pytest.raises(ScorerMismatchError, match="built for 3 layers"):
+        KVpopCache(tiny_config("llama"), policy=LearnedPolicy(build_scorer(cfg)), **KW)
+
+
+def test_make_cache_checks_the_weights_of_the_model_it_is_given(tmp_path):
+    from kvpop import make_cache
+
+    model, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    path = _scorer_for(model, tmp_path / "s.safetensors")
+    assert make_cache(model, "dense", budget=16) is None
+    assert make_cache(model, "kvpop-mlp", path=path, **KW).budget == 16
+    with pytest.raises(ScorerMismatchError, match="weights_sha256"):
+        make_cache(other, "kvpop-mlp", path=path, **KW)

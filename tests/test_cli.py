@@ -1,0 +1,100 @@
+"""The command line: one meaning of --scorer, benchmark help, long prompts, quiet loading, defaults."""
+
+import warnings
+
+import pytest
+
+from kvpop.checkpoint import model_fingerprint, save_scorer
+from kvpop.cli import demo_prompt, main
+from kvpop.scorers import ScorerConfig, build_scorer
+from kvpop.testing import save_tiny_model
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+TEXT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. " * 6
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A saved tiny model with an MLP and an mLSTM scorer trained for it (random init)."""
+    root = tmp_path_factory.mktemp("cli")
+    model = save_tiny_model(root / "model", "llama")
+    paths = {}
+    for kind in ("mlp", "mlstm"):
+        cfg = ScorerConfig(kind=kind, num_layers=2, kv_heads=2, head_dim=16)
+        paths[kind] = save_scorer(build_scorer(cfg), root / f"{kind}.safetensors", {"fingerprint": model_fingerprint(model)})
+    (root / "prompt.txt").write_text(TEXT)
+    return root, paths
+
+
+def _generate(root, *extra):
+    return main(["generate", "--model", str(root / "model"), "--prompt-file", str(root / "prompt.txt"),
+                 "--budget", "16", "--window", "4", "--max-new-tokens", "6", *extra])  # fmt: skip
+
+
+@pytest.mark.parametrize("bench,option", [("generate", "--decode-steps"), ("overhead", "--context"),
+                                          ("prefill", "--repeats"), ("targets", "--sizes")])  # fmt: skip
+def test_bench_subcommand_help_shows_its_options(bench, option, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", bench, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert f"kvpop bench {bench}" in out and option in out
+
+
+def test_generate_prompt_file_reports_speed_and_memory_quietly(tiny, capsys):
+    root, _ = tiny
+    assert _generate(root, "--policy", "knorm") == 0
+    out, err = capsys.readouterr()
+    assert out.strip()  # the generated text
+    assert "Loading weights" not in err  # transformers' per-load bar is silenced
+    assert "policy=knorm KVpopCache(sinks=4, window=4, k=8, budget=16" in err
+    assert "tok/s" in err and "prompt 492 tokens" in err and "generated 6 tokens" in err
+    assert "KV cache held 8.0 KiB vs" in err and "dense" in err
+
+
+def test_generate_default_policy_is_the_shipped_scorer(tiny, capsys):
+    root, _ = tiny
+    assert _generate(root) == 2  # the shipped scorer was trained for SmolLM2, not this model
+    err = capsys.readouterr().err
+    assert "smollm2-135m-instruct-mlstm" in err and "different model" in err
+
+
+@pytest.mark.parametrize("kind,policy", [("mlp", "kvpop-mlp"), ("mlstm", "kvpop")])
+def test_generate_scorer_path_picks_its_policy(tiny, capsys, kind, policy):
+    root, paths = tiny
+    assert _generate(root, "--scorer", str(paths[kind])) == 0
+    assert f"policy={policy} " in capsys.readouterr().err
+    assert _generate(root, "--scorer", str(paths[kind]), "--policy", "h2o") == 2
+    assert f"is a {kind} scorer (policy {policy}); it cannot serve --policy h2o" in capsys.readouterr().err
+
+
+def test_train_kind_flag():
+    from kvpop.train import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args(["--kind", "mlp", "--out", "x"])).scorer == "mlp"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--scorer", "mlp", "--out", "x"])  # --scorer is a checkpoint path elsewhere
+
+
+def test_eval_scorer_is_a_path_routed_by_its_kind(tiny, tmp_path, capsys):
+    from kvpop.evaluate.cli import build_parser, config_from_args
+
+    _, paths = tiny
+    args = build_parser().parse_args(["--out", "x", "--scorer", str(paths["mlp"]), "--scorer", str(paths["mlstm"])])
+    assert config_from_args(args).policy_kwargs == {"kvpop-mlp": {"path": str(paths["mlp"])},
+                                                    "kvpop": {"path": str(paths["mlstm"])}}  # fmt: skip
+    twice = build_parser().parse_args(["--out", "x", "--scorer", str(paths["mlp"]), "--scorer", str(paths["mlp"])])
+    with pytest.raises(ValueError, match="two --scorer checkpoints of policy kvpop-mlp"):
+        config_from_args(twice)
+    from kvpop.evaluate.cli import main as eval_main
+
+    assert eval_main(["--out", str(tmp_path), "--scorer", str(tmp_path / "missing.safetensors")]) == 2
+    assert "no scorer checkpoint at" in capsys.readouterr().err
+
+
+def test_demo_prompt_is_a_few_thousand_tokens():
+    try:
+        text = demo_prompt()
+    except FileNotFoundError as exc:  # the paul_graham corpus is part of the setup
+        pytest.skip(str(exc))
+    assert 15_000 < len(text) < 40_000 and text.endswith("?")
