@@ -11,21 +11,30 @@ from kvpop import KVpopCache
 from kvpop.config import EvictionConfig
 from kvpop.policies import POLICIES, LearnedPolicy, get_policy
 from kvpop.reference import MaskedReference
+from kvpop.rope import RopeSpec
 from kvpop.scorers import ScorerConfig, build_scorer
 from kvpop.testing import ARCHS, tiny_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 BASE_POLICIES = ["streaming", "tova", "h2o", "snapkv", "knorm", "random"]
-ALL_POLICIES = BASE_POLICIES + ["kvpop", "kvpop-mlp"]
+# "+": position-free keys, observed-attention inputs (three observation windows) and a recency tilt
+ALL_POLICIES = BASE_POLICIES + ["kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+"]
 
 
 def _policy(name, model):
     """A fresh policy instance; learned ones get a seeded random-init scorer for the tiny model."""
-    if name in ("kvpop", "kvpop-mlp"):
+    if name.startswith("kvpop"):
         text = model.config
-        cfg = ScorerConfig(kind="mlstm" if name == "kvpop" else "mlp", num_layers=text.num_hidden_layers,
-                           kv_heads=text.num_key_value_heads, head_dim=text.head_dim, seed=7)
-        return LearnedPolicy(build_scorer(cfg))
+        extra = name.endswith("+")
+        cfg = ScorerConfig(kind="mlp" if "mlp" in name else "mlstm", num_layers=text.num_hidden_layers,
+                           kv_heads=text.num_key_value_heads, head_dim=text.head_dim, seed=7,
+                           position_free=extra, observed=(None, 4, 1) if extra else (), tilt=extra)
+        scorer = build_scorer(cfg)
+        if extra:
+            scorer.set_rope(RopeSpec.from_config(text))
+            with torch.no_grad():
+                scorer.tilt_theta.uniform_(0.0, 3.0, generator=torch.Generator().manual_seed(3))
+        return LearnedPolicy(scorer)
     return get_policy(name)
 
 
@@ -136,7 +145,7 @@ def test_generate_drop_in_and_positions_follow_seen_tokens():
     assert small.layers[0].slot_index.max() == 68
 
 
-@pytest.mark.parametrize("policy", ["knorm", "h2o", "random", "kvpop"])
+@pytest.mark.parametrize("policy", ["knorm", "h2o", "random", "kvpop", "kvpop+"])
 def test_left_padded_batch_equals_rows_alone(policy):
     model = tiny_model("llama")
     g = torch.Generator().manual_seed(3)

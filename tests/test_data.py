@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpop import data
+from kvpop import data, testing
 from kvpop.data import CorpusNotFoundError, Document
 
 FIXTURES = Path(__file__).parent / "fixtures" / "corpora"
@@ -58,7 +58,8 @@ def root_of(name: str, human_eval_root: Path) -> Path:
 
 
 def test_list_corpora():
-    assert data.list_corpora() == FIXTURE_CORPORA
+    assert data.list_corpora(evaluation_only=True) == FIXTURE_CORPORA == list(data.EVALUATION_CORPORA)
+    assert data.list_corpora() == FIXTURE_CORPORA + ["perl_docs", "git_docs"]  # extra training text
     for name in data.list_corpora():
         corpus = data.CORPORA[name]
         assert corpus.description and corpus.install and corpus.kind in ("text", "code")
@@ -286,3 +287,32 @@ def test_real_corpus_splits(name):
     for split in data.SPLITS:
         assert stats["splits"][split]["documents"] > 0, (name, split)
         assert stats["splits"][split]["characters"] > 0, (name, split)
+
+
+def test_training_windows_look_like_evaluation_documents(tmp_path):
+    """Windows of exactly seq_len tokens, no BOS/EOS inserted, deterministic, every corpus drawn; short docs joined."""
+    import itertools
+
+    tok = testing.tiny_tokenizer()
+    roots = {}
+    for name, n_docs, n_words in (("shakespeare", 6, 400), ("wikipedia", 40, 30)):
+        root = tmp_path / name
+        if name == "shakespeare":
+            (root / "texts").mkdir(parents=True)
+            for i in range(n_docs):
+                (root / "texts" / f"play{i}_gut.txt").write_text(" ".join(f"w{(i * 7 + j) % 50}" for j in range(n_words)))
+        else:
+            (root / "data").mkdir(parents=True)
+            entries = {f"a{i}": {"title": f"T{i}", "extract": " ".join(f"w{(i + j) % 50}" for j in range(n_words))}
+                       for i in range(n_docs)}  # fmt: skip
+            (root / "data" / "summaries_en-us.json").write_text(json.dumps(entries))
+        roots[name] = str(root)
+    take = list(itertools.islice(data.training_windows(tok, ["shakespeare", "wikipedia"], 32, "all", 0, roots), 40))
+    again = list(itertools.islice(data.training_windows(tok, ["shakespeare", "wikipedia"], 32, "all", 0, roots), 40))
+    assert all(ids.numel() == 32 for _, ids in take)
+    assert [(c, ids.tolist()) for c, ids in take] == [(c, ids.tolist()) for c, ids in again]
+    assert {c for c, _ in take} == {"shakespeare", "wikipedia"}
+    specials = {tok.bos_token_id, tok.eos_token_id} - {None}
+    assert not any(int(t) in specials for _, ids in take for t in ids)
+    with pytest.raises(ValueError, match="no all window of 100000 tokens"):
+        next(data.training_windows(tok, ["shakespeare"], 100000, "all", 0, roots))

@@ -22,6 +22,7 @@ from kvpop.mask import (
     visibility,
 )
 from kvpop.policies import LearnedPolicy, OraclePolicy
+from kvpop.rope import RopeSpec
 from kvpop.rule import reference_rule
 from kvpop.scorers import ScorerConfig, build_scorer
 from kvpop.teacher import kept_mask_static
@@ -107,12 +108,20 @@ def _ids(n, seed=0, rows=1):
 
 
 def _scorer(model, kind, seed=7):
+    """A random scorer; kind "mlp+"/"mlstm+": position-free keys, observed-attention inputs, recency tilt."""
     c = model.config
-    return build_scorer(
+    extra = kind.endswith("+")
+    sc = build_scorer(
         ScorerConfig(
-            kind=kind, num_layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim, seed=seed
+            kind=kind.rstrip("+"), num_layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim, seed=seed, position_free=extra, observed=(None, 3, 1) if extra else (), tilt=extra,
         )
     )
+    if extra:
+        sc.set_rope(RopeSpec.from_config(c))
+        with torch.no_grad():
+            sc.tilt_theta.uniform_(0.0, 3.0, generator=torch.Generator().manual_seed(seed))
+    return sc
 
 
 @torch.no_grad()
@@ -136,15 +145,15 @@ def _policy_and_fn(model, name, lam, ids):
     """(cache policy, priority fn, sinks, window, k) for one policy at BUDGET."""
     if name == "streaming":
         return "streaming", streaming_priority_fn(), SINKS, BUDGET - SINKS, 0
-    if name in ("mlp", "mlstm"):
+    if name in ("mlp", "mlstm", "mlp+", "mlstm+"):
         sc = _scorer(model, name)
-        return LearnedPolicy(sc), learned_priority_fn(sc, WINDOW, lam), SINKS, WINDOW, K
+        return LearnedPolicy(sc), learned_priority_fn(sc, WINDOW, lam, sinks=SINKS), SINKS, WINDOW, K
     targets = [c.target for c in collect(model, ids, window=WINDOW)]
     return OraclePolicy(targets), oracle_priority_fn(targets, lam), SINKS, WINDOW, K
 
 
 @pytest.mark.parametrize("lam", [0.0, 0.05])
-@pytest.mark.parametrize("name", ["streaming", "mlp", "mlstm", "oracle"])
+@pytest.mark.parametrize("name", ["streaming", "mlp", "mlstm", "mlp+", "mlstm+", "oracle"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_masked_equals_cache_one_forward(arch, name, lam):
     model = tiny_model(arch)

@@ -1,4 +1,5 @@
-"""Training: loss goes down, resume reproduces an uninterrupted run, DDP ranks stay identical, checkpoints."""
+"""Training: it runs and checkpoints, resume reproduces an uninterrupted run and refuses other settings,
+the capture store is reused, DDP ranks stay identical, the loss and labels mean what they say."""
 
 import json
 import os
@@ -14,6 +15,7 @@ from kvpop.checkpoint import ScorerMismatchError, load_scorer, read_header, save
 from kvpop.scorers import ScorerConfig, build_scorer
 from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer
 from kvpop.train import TrainConfig, main, train
+from kvpop.train.labels import Labels, decision_weights, labels_for, layer_loss, margins
 
 
 @pytest.fixture(scope="module")
@@ -27,39 +29,99 @@ def docs(tmp_path_factory):
 
 
 def _cfg(out, docs, **kw):
-    base = {"out": str(out), "docs_from": str(docs), "seq_len": 64, "budget": 24, "window": 8, "sinks": 2, "steps": 6,
-                "eval_every": 3, "ckpt_every": 2, "val_sequences": 1, "progress": False, "lr": 1e-2}
+    base = {"out": str(out), "docs_from": str(docs), "seq_len": 64, "budgets": (24,), "window": 8, "sinks": 2,
+            "steps": 6, "val_every": 3, "ckpt_every": 2, "val_docs": 1, "progress": False, "lr": 1e-2,
+            "observed": (None, 4, 1)}
     base.update(kw)
     return TrainConfig(**base)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "mlstm"])
-def test_training_runs_and_writes_checkpoint(tmp_path, docs, kind):
+def test_training_runs_and_writes_checkpoints(tmp_path, docs, kind):
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    summary = train(_cfg(tmp_path, docs, scorer=kind, steps=12, pool=4), model, tok)
+    summary = train(_cfg(tmp_path, docs, scorer=kind, steps=6, budgets=(24, 32)), model, tok)
     losses = [h["loss"] for h in summary["history"]]
-    assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
-    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4  # it learns on a small pool
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+    assert {h["budget"] for h in summary["history"]} <= {24, 32}
     header = read_header(tmp_path / "scorer.safetensors")
-    assert header["config"]["kind"] == kind
-    assert header["meta"]["trained_for"]["window"] == 8
-    assert "validation" in summary and set(summary["validation"]) == {kind, "knorm", "random"}
+    assert header["config"]["kind"] == kind and header["config"]["position_free"] and header["config"]["tilt"]
+    assert header["meta"]["trained_for"]["windows"] == {"24": 8, "32": 8}
+    assert summary["tokens_seen"] == 6 * 64
+    # retention under the real cache was measured, next to streaming, and the best checkpoint kept
+    vals = [h["val"] for h in summary["history"] if "val" in h]
+    assert len(vals) == 2 and {"24", "32"} <= set(vals[0]) and "streaming" in vals[0]["24"]
+    best = read_header(tmp_path / "best.safetensors")["meta"]
+    assert best["steps"] == summary["best"]["step"]
+    dec = summary["validation_decisions"]["24"]
+    assert set(dec["baselines"]) == {"always_evict", "always_keep", "knorm", "random"}
+    assert len(dec["per_layer_accuracy"]) == 2
     _, meta = load_scorer(tmp_path / "scorer.safetensors", model=model)
-    assert meta["steps"] == 12
+    assert meta["steps"] == 6
 
 
 def test_resume_matches_uninterrupted_run(tmp_path, docs):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     full = tmp_path / "full"
-    train(_cfg(full, docs, scorer="mlstm", steps=6), model, tok)
+    train(_cfg(full, docs, scorer="mlstm", val_docs=0), model, tok)
     part = tmp_path / "part"
-    train(_cfg(part, docs, scorer="mlstm", steps=6, stop_after=4), model, tok)  # "killed" after the step-4 checkpoint
-    summary = train(_cfg(part, docs, scorer="mlstm", steps=6), model, tok)
+    train(_cfg(part, docs, scorer="mlstm", val_docs=0, stop_after=4), model, tok)  # "killed" after step 4's checkpoint
+    summary = train(_cfg(part, docs, scorer="mlstm", val_docs=0), model, tok)
     assert summary["history"][0]["step"] == 1 and len(summary["history"]) == 6
     a, _ = load_scorer(full / "scorer.safetensors")
     b, _ = load_scorer(part / "scorer.safetensors")
     for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("change,needle", [({"budgets": (28,)}, "budgets"), ({"window": 6}, "window"),
+                                          ({"lam": 0.01}, "lam"), ({"lr": 3e-3}, "lr")])
+def test_resume_refuses_other_settings(tmp_path, docs, change, needle):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    train(_cfg(tmp_path, docs, scorer="mlp", val_docs=0, stop_after=2), model, tok)
+    with pytest.raises(ValueError, match=f"other settings.*{needle}: checkpoint"):
+        train(_cfg(tmp_path, docs, scorer="mlp", val_docs=0, **change), model, tok)
+
+
+def test_capture_store_is_reused_and_guarded(tmp_path, docs):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    store = tmp_path / "store"
+    filled = train(_cfg(tmp_path / "cap", docs, store=str(store), capture_only=True, steps=4, extra_windows=(4,)),
+                   model, tok)  # fmt: skip
+    assert filled["captured"] == 4 and len(list(store.glob("seq_*.safetensors"))) == 4
+    a = train(_cfg(tmp_path / "a", docs, scorer="mlp", val_docs=0, steps=4, store=str(store)), model, tok)
+    b = train(_cfg(tmp_path / "b", docs, scorer="mlp", val_docs=0, steps=4), model, tok)  # captured on the fly
+    assert [h["loss"] for h in a["history"]] == pytest.approx([h["loss"] for h in b["history"]], rel=1e-3)
+    # a run at the extra window reads it from the store; other settings are refused
+    train(_cfg(tmp_path / "c", docs, scorer="mlp", val_docs=0, steps=2, window=4, store=str(store)), model, tok)
+    with pytest.raises(ValueError, match="no targets for windows"):
+        train(_cfg(tmp_path / "d", docs, scorer="mlp", val_docs=0, steps=2, window=5, store=str(store)), model, tok)
+    with pytest.raises(ValueError, match="other settings"):
+        train(_cfg(tmp_path / "e", docs, scorer="mlp", val_docs=0, steps=2, sinks=3, store=str(store)), model, tok)
+
+
+def test_boundary_margin_compares_priorities_and_learns():
+    """The margin adds lam * (t_new - t_bnd) (the tilt counted once), and one step on a batch lowers its loss."""
+    g = torch.Generator().manual_seed(0)
+    targets = torch.randn(2, 1, 2, 80, generator=g)
+    targets[..., -8:] = float("-inf")
+    lab = labels_for(targets, window=8, k=10, sinks=2, lam=0.05)
+    scores = torch.randn(1, 2, 80, generator=g)
+    plain = margins(scores, lab, 0, 0.0)
+    tilted = margins(scores, lab, 0, 0.05)
+    torch.testing.assert_close(tilted - plain, 0.05 * (lab.t_new[0] - lab.t_bnd[0].clamp(min=0)).float())
+    # with lam, the teacher's own priorities reproduce its decisions exactly
+    ok = ((margins(targets[0], lab, 0, 0.05) > 0) == (lab.y[0] > 0)) | ~lab.valid[0]
+    assert bool(ok.all())
+    w = decision_weights(targets, lab, 0, "mass")
+    assert w[lab.valid[0]].mean() == pytest.approx(1.0, rel=1e-5)
+    s = scores.clone().requires_grad_(True)
+    kw = {"loss": "boundary", "lam": 0.05, "tau": 1.0, "weighting": "mass", "window": 8}
+    before = layer_loss(s, targets, lab, 0, **kw)
+    before.backward()
+    with torch.no_grad():
+        after = layer_loss(s - 1.0 * s.grad, targets, lab, 0, **kw)
+    assert after < before
+    assert isinstance(lab, Labels)
 
 
 def test_scorer_refuses_other_model(tmp_path):
@@ -96,7 +158,16 @@ def test_bad_config_fails_before_loading(tmp_path):
     with pytest.raises(ValueError, match="seq_len"):
         _cfg(tmp_path, tmp_path, seq_len=10).validate()
     with pytest.raises(ValueError, match="smaller than sinks"):
-        _cfg(tmp_path, tmp_path, budget=4).validate()
+        _cfg(tmp_path, tmp_path, budgets=(4,)).validate()
+    with pytest.raises(ValueError, match="no long-range slot"):
+        _cfg(tmp_path, tmp_path, budgets=(10,)).validate()
+    with pytest.raises(ValueError, match="unknown corpus"):
+        _cfg(tmp_path, tmp_path, docs_from=None, corpora=("nope",)).validate()
+    with pytest.raises(ValueError, match="capture_only needs a store"):
+        _cfg(tmp_path, tmp_path, capture_only=True).validate()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="not available"):
+            _cfg(tmp_path, tmp_path, device="cuda").validate()
 
 
 def test_ddp_two_processes_keep_identical_weights(tmp_path, docs):
@@ -107,17 +178,19 @@ def test_ddp_two_processes_keep_identical_weights(tmp_path, docs):
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
         "-m", "kvpop.train", "--kind", "mlstm", "--out", str(out), "--model", str(model_dir),
         "--docs-from", str(docs), "--seq-len", "64", "--budget", "24", "--window", "8", "--sinks", "2",
-        "--steps", "4", "--batch-size", "2", "--ckpt-every", "2", "--eval-every", "2", "--val-sequences", "1",
-        "--check-sync", "--no-progress",
+        "--observed", "all,4,1", "--steps", "4", "--batch-size", "2", "--ckpt-every", "2", "--val-every", "2",
+        "--val-docs", "1", "--check-sync", "--no-progress",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 4
-    assert (out / "scorer.safetensors").is_file()
+    assert (out / "scorer.safetensors").is_file() and (out / "best.safetensors").is_file()
 
 
 def test_cli_main_validates_first(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--kind", "nope", "--out", str(tmp_path)])
+    assert main(["--out", str(tmp_path), "--budget", "4"]) == 2
+    assert "smaller than sinks" in capsys.readouterr().err

@@ -44,7 +44,8 @@ class KVpopLayer(CacheLayerMixin):
     def __init__(self, cfg: EvictionConfig, policy: Policy, layer_idx: int):
         super().__init__()
         self.cfg, self.policy, self.layer_idx = cfg, policy, layer_idx
-        self.obs_window = policy.observation_window(cfg.window)  # per cache: the policy is never mutated
+        # observation windows of the attention statistics, per cache: the policy is never mutated
+        self.obs_windows = tuple(policy.observation_windows(cfg.window)) if policy.needs_attention else ()
         self.policy_state = None
         self.model_config = None  # the (text) config whose attention must route through kvpop
         self.seen = 0  # tokens fed to this layer, padding included (drives position ids)
@@ -66,7 +67,8 @@ class KVpopLayer(CacheLayerMixin):
         self._views()
         self.min_real = 0  # fewest real tokens seen by any row (a Python int: no device sync on the hot path)
         self.n_real = torch.zeros(b, dtype=torch.long, device=dev)
-        self.observed = torch.zeros(b, h, cfg.window, dtype=torch.float32, device=dev)  # per ring slot
+        # per ring slot and observation window
+        self.observed = torch.zeros(b, h, cfg.window, max(1, len(self.obs_windows)), dtype=torch.float32, device=dev)
         self.device = dev
         self.policy_state = self.policy.init_state(b, h, self.layer_idx, dev)
         self.is_initialized = True
@@ -193,8 +195,9 @@ class KVpopLayer(CacheLayerMixin):
             ex_v = self.values.gather(2, slot_h.unsqueeze(-1).expand(b, h, 1, self.values.shape[-1]))
             observed = None
             if self.policy.needs_attention:
-                observed = self.observed.gather(2, ring_off.view(b, 1, 1).expand(b, h, 1))
-            batch = ExitBatch(self.layer_idx, ex_k, ex_v, ex_idx.view(b, 1), k_new, v_new, t.view(b, 1), observed, True)
+                nobs = self.observed.shape[-1]
+                observed = self.observed.gather(2, ring_off.view(b, 1, 1, 1).expand(b, h, 1, nobs))
+            batch = ExitBatch(self.layer_idx, ex_k, ex_v, ex_idx.view(b, 1), k_new, v_new, t.view(b, 1), observed, True, w)
             self.policy_state, prio = self.policy.score(self.policy_state, batch)
             prio = prio.float().view(b, h)
             if timer is not None:
@@ -232,11 +235,12 @@ class KVpopLayer(CacheLayerMixin):
             filled = kidx >= 0
             local = filled & ((kidx < s) | (kidx > tq - w))
             p_local = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1)
-            contrib = (p_local * ((tq - kidx) >= (w - self.obs_window))).mean(dim=2)  # [b, h, n]
-            ring_contrib = contrib[:, :, s : s + w]
+            p_ring = p_local[..., s : s + w].mean(dim=2)  # [b, h, w]: only ring slots accumulate
+            age = tq.view(b, 1, 1) - kidx[:, :, 0, s : s + w]  # [b, h, w]
+            ring_contrib = torch.stack([p_ring * (age >= (w - o)) for o in self.obs_windows], -1)
             # the slot of the new token restarts its statistic; the others accumulate
-            fresh = torch.zeros_like(self.observed).scatter_(2, ring_off.view(b, 1, 1).expand(b, h, 1), 1.0)
-            fresh = fresh * (t >= s).view(b, 1, 1)
+            fresh = torch.zeros(b, h, w, 1, device=q.device).scatter_(2, ring_off.view(b, 1, 1, 1).expand(b, h, 1, 1), 1.0)
+            fresh = fresh * (t >= s).view(b, 1, 1, 1)
             self.observed = self.observed * (1 - fresh) + ring_contrib
             probs = torch.softmax(logits.masked_fill(~filled, -math.inf), dim=-1)
             out = torch.einsum("bhgk,bhkd->bhgd", probs.to(self.values.dtype), self.values)
@@ -281,12 +285,15 @@ class KVpopLayer(CacheLayerMixin):
             tq = t_q.view(b, 1, 1, c, 1)
             local = (kidx >= 0) & (kidx <= tq) & ((kidx < s) | (kidx > tq - w))
             p_local = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1).nan_to_num(0.0)
-            counted = (tq - kidx) >= (w - self.obs_window)
-            contrib = (p_local * counted).mean(dim=2).sum(dim=2)  # [b, h, n + c] summed over queries
+            p_mean = p_local.mean(dim=2)  # [b, h, c, n + c], over the query heads of a group
+            contrib = torch.stack(
+                [(p_mean * ((tq[:, :, 0] - kidx[:, :, 0]) >= (w - o))).sum(dim=2) for o in self.obs_windows], -1
+            )  # [b, h, n + c, nobs] summed over queries
             ring = slice(s, s + w)
             # accumulated statistic of every ring slot before new tokens overwrite them
             acc_old = self.observed + contrib[:, :, ring]
-            observed = acc_old.gather(2, ex_ring.unsqueeze(1).expand(b, h, c))
+            nobs = acc_old.shape[-1]
+            observed = acc_old.gather(2, ex_ring.view(b, 1, c, 1).expand(b, h, c, nobs))
             new_contrib = contrib[:, :, n:]
 
         # scores of the exiting tokens, frozen now
@@ -301,6 +308,7 @@ class KVpopLayer(CacheLayerMixin):
             new_values=v_new,
             new_index=new_idx,
             attention=observed,
+            window=w,
         )
         self.policy_state, scores = self.policy.score(self.policy_state, batch)
         scores = scores.float()
@@ -366,8 +374,8 @@ class KVpopLayer(CacheLayerMixin):
             self.slot_index[:, :, s + w :] = new_lr_idx
             self.lr_prio.copy_(new_lr_prio)
         if observed is not None:
-            ring_obs = torch.cat([acc_old, acc_old.new_zeros(b, h, 1)], dim=2)
-            ring_new = torch.where(valid & (new_idx >= s), (new_idx - s) % w, w).unsqueeze(1).expand(b, h, c)
+            ring_obs = torch.cat([acc_old, acc_old.new_zeros(b, h, 1, nobs)], dim=2)
+            ring_new = torch.where(valid & (new_idx >= s), (new_idx - s) % w, w).view(b, 1, c, 1).expand(b, h, c, nobs)
             ring_obs.scatter_(2, ring_new, new_contrib)
             self.observed = ring_obs[:, :, :w].contiguous()
         self.n_real = self.n_real + valid.long().sum(1)

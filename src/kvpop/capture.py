@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .observed import observed_attention
 from .targets import fused_available, future_attention
 
 __all__ = ["ATTN_NAME", "CaptureState", "LayerCapture", "capturing", "collect"]
@@ -57,6 +58,8 @@ class LayerCapture:
     values: Tensor
     target: Tensor | None = None
     queries: Tensor | None = None
+    targets: dict[int, Tensor] = field(default_factory=dict)  # window -> log target (incl. ``window``)
+    observed: dict[int, Tensor] = field(default_factory=dict)  # window -> [batch, kv_heads, S, n] statistics
 
 
 @dataclass
@@ -69,6 +72,10 @@ class CaptureState:
     attention_mask: Tensor | None = None  # 2-D padding mask of the current call, if any
     reuse_lse: bool = True
     keep_queries: bool = False
+    extra_windows: tuple[int, ...] = ()  # more target windows (LayerCapture.targets)
+    observed_windows: tuple[int, ...] = ()  # windows whose observed-attention statistics to record
+    sinks: int = 4  # for the observed statistics
+    obs_windows: tuple[int | None, ...] = (None, 32, 1)
     captures: dict[int, LayerCapture] = field(default_factory=dict)
     _warned_sliding: bool = False
 
@@ -137,8 +144,9 @@ def _segments(mask2d: Tensor, S: int) -> list[tuple[int, int]]:
     return segs
 
 
-def _target(state: CaptureState, query: Tensor, key: Tensor, scale: float, lse: Tensor | None) -> Tensor:
-    window = state.window
+def _target(state: CaptureState, query: Tensor, key: Tensor, scale: float, lse: Tensor | None,
+            window: int | None = None) -> Tensor:
+    window = state.window if window is None else window
     B, Hk, S, _ = key.shape
     out_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     am = state.attention_mask
@@ -206,16 +214,29 @@ def _capture_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
 
+    targets: dict[int, Tensor] = {}
+    observed: dict[int, Tensor] = {}
     with torch.no_grad():
-        target = (
-            _target(state, query.detach(), key.detach(), scale, lse) if state.window is not None else None
-        )
+        q, k = query.detach(), key.detach()
+        target = _target(state, q, k, scale, lse) if state.window is not None else None
+        if target is not None:
+            targets[state.window] = target
+        for w in state.extra_windows:
+            if w not in targets:
+                targets[w] = _target(state, q, k, scale, lse, window=w)
+        if state.observed_windows:
+            if state.attention_mask is not None:
+                raise ValueError("observed-attention statistics need unpadded rows")
+            for w in state.observed_windows:
+                observed[w] = observed_attention(q, k, w, state.sinks, state.obs_windows, scale=scale)
     state.captures[idx] = LayerCapture(
         layer=idx,
         keys=key.detach(),
         values=value.detach(),
         target=target,
         queries=query.detach() if state.keep_queries else None,
+        targets=targets,
+        observed=observed,
     )
     return attn_output, attn_weights
 
@@ -256,6 +277,10 @@ def capturing(
     attention_mask: Tensor | None = None,
     reuse_lse: bool = True,
     keep_queries: bool = False,
+    extra_windows: Iterable[int] = (),
+    observed_windows: Iterable[int] = (),
+    sinks: int = 4,
+    obs_windows: Iterable[int | None] = (None, 32, 1),
 ) -> Iterator[CaptureState]:
     """Context manager: while active, forwards of ``model`` fill the yielded ``CaptureState``.
 
@@ -283,6 +308,10 @@ def capturing(
         attention_mask=attention_mask,
         reuse_lse=reuse_lse,
         keep_queries=keep_queries,
+        extra_windows=tuple(int(w) for w in extra_windows),
+        observed_windows=tuple(int(w) for w in observed_windows),
+        sinks=int(sinks),
+        obs_windows=tuple(obs_windows),
     )
     configs = _configs(model)
     saved = [(c, c._attn_implementation_internal) for c in configs]
@@ -306,6 +335,10 @@ def collect(
     *,
     method: str = "auto",
     keep_queries: bool = False,
+    extra_windows: Iterable[int] = (),
+    observed_windows: Iterable[int] = (),
+    sinks: int = 4,
+    obs_windows: Iterable[int | None] = (None, 32, 1),
 ) -> list[LayerCapture]:
     """Run ``model`` over a batch (no grad, no cache) and return one ``LayerCapture`` per layer.
 
@@ -318,6 +351,11 @@ def collect(
         window: if given, also compute the target for this window (``kvpop.targets``).
         method: ``future_attention`` method for the targets.
         keep_queries: also return the post-RoPE queries (memory: all layers' queries).
+        extra_windows: more windows to compute targets for (``LayerCapture.targets[w]``; the
+            ``window`` one is there too).
+        observed_windows: windows whose observed-attention statistics to record
+            (``LayerCapture.observed[w]``, ``[batch, kv_heads, S, len(obs_windows)]``, see
+            :mod:`kvpop.observed`; unpadded rows only), with ``sinks`` sink tokens.
     """
     if input_ids.ndim != 2:
         raise ValueError("input_ids must be [batch, S]")
@@ -332,6 +370,10 @@ def collect(
             method=method,
             attention_mask=attention_mask,
             keep_queries=keep_queries,
+            extra_windows=extra_windows,
+            observed_windows=observed_windows,
+            sinks=sinks,
+            obs_windows=obs_windows,
         ) as state,
     ):
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

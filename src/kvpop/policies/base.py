@@ -44,8 +44,9 @@ class ExitBatch:
     new_keys: torch.Tensor  # [b, h, C, d] the chunk's new keys (exit j happens when new token j arrives)
     new_values: torch.Tensor  # [b, h, C, d]
     new_index: torch.Tensor  # [b, C] logical index of each new token (-1: padding)
-    attention: torch.Tensor | None = None  # [b, h, X] observed attention (policies with needs_attention)
+    attention: torch.Tensor | None = None  # [b, h, X, n] observed attention, one per observation window
     all_valid: bool = False  # True when no new token is padding (lets policies skip masking)
+    window: int = 0  # the cache's protected window (observed statistics sum over up to this many queries)
 
 
 State = Any  # None | Tensor | tuple / NamedTuple / list / dict of states, batch rows on dim 0
@@ -89,6 +90,10 @@ class Policy:
     def observation_window(self, window: int) -> int:
         """How many of the last queries' attention counts, for a cache with this protected window."""
         return window if self.obs_window is None else min(self.obs_window, window)
+
+    def observation_windows(self, window: int) -> tuple[int, ...]:
+        """The statistics ``ExitBatch.attention`` carries (last dim), for a cache with this window."""
+        return (self.observation_window(window),)
 
     def init_state(self, batch: int, num_kv_heads: int, layer_idx: int, device: torch.device) -> State:
         """A fresh per-sequence state of one layer (held by the cache layer, not by the policy)."""

@@ -33,6 +33,7 @@ class LearnedPolicy(Policy):
         self.scorer = scorer.eval()
         self.name = name or KIND_TO_POLICY[scorer.config.kind]
         self.stateful = bool(scorer.is_stateful)
+        self.needs_attention = bool(scorer.config.observed)  # the scorer reads observed attention
         self.fingerprint = fingerprint  # base-model fingerprint of the checkpoint (None: not from a checkpoint)
         self.source = source or "(in memory)"
 
@@ -48,6 +49,9 @@ class LearnedPolicy(Policy):
                 f"{cfg.head_dim}; this model has {shape.num_layers} x {shape.kv_heads} x {shape.head_dim}"
             )
 
+    def observation_windows(self, window: int) -> tuple[int, ...]:
+        return tuple(window if o is None else min(o, window) for o in self.scorer.config.observed)
+
     def init_state(self, batch: int, num_kv_heads: int, layer_idx: int, device):
         return self.scorer[layer_idx].init_state(batch, device=device, dtype=torch.float32)
 
@@ -58,9 +62,15 @@ class LearnedPolicy(Policy):
         mask = None if batch.all_valid else batch.new_index >= 0
         # decode (one new token): read after it, the scorer's single-step fast path
         read_steps = None if c == 1 else torch.arange(c, device=dev)
+        observed = batch.attention
+        if self.needs_attention and observed is None:  # a step without exits (the state still advances)
+            b, h, x, _ = batch.keys.shape
+            observed = batch.keys.new_zeros(b, h, x, len(self.scorer.config.observed), dtype=torch.float32)
         state, scores = self.scorer.step_and_read(
             batch.layer_idx, state, batch.new_keys.float(), batch.new_values.float(),
             batch.keys.float(), batch.values.float(), read_steps, mask,
+            new_positions=batch.new_index, read_positions=batch.index,
+            observed=observed, window=batch.window,
         )
         return state, scores.float()
 

@@ -21,4 +21,4 @@ class ObservedAttentionPolicy(Policy):
     def score(self, state, batch: ExitBatch) -> tuple[None, torch.Tensor]:
         if batch.attention is None:
             raise RuntimeError(f"{self.name} needs attention statistics but the cache gave none")
-        return state, batch.attention.float()
+        return state, batch.attention[..., 0].float()

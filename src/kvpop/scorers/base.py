@@ -50,6 +50,14 @@ class ScorerConfig:
     chunk_size:   mLSTM chunkwise-parallel training form: steps per chunk.
     seed:         init seed; layer l uses seed + l.
     eps:          epsilon of the RMS norms.
+    position_free: undo RoPE on the keys before scoring (``kvpop.rope``): the scorer sees the
+                  key's content, not its position (the RoPE frequencies are stored with the
+                  weights, ``rope_scaling`` beside them).
+    observed:     observation windows (None = the whole protected window) whose observed
+                  attention (``kvpop.observed``: what the token received while protected) is an
+                  extra input, as the log mean attention per query; () = keys and values only.
+    tilt:         a learned per-head recency tilt ``lam_h * t`` added to the score
+                  (``lam_h = softplus(theta_h) / 1000``, per token).
     """
 
     kind: Literal["mlp", "mlstm"] = "mlstm"
@@ -67,6 +75,10 @@ class ScorerConfig:
     chunk_size: int = 128
     seed: int = 0
     eps: float = 1e-6
+    position_free: bool = False
+    rope_scaling: float = 1.0
+    observed: tuple[int | None, ...] = ()
+    tilt: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("mlp", "mlstm"):
@@ -81,10 +93,19 @@ class ScorerConfig:
         if self.kind == "mlp" and self.hidden < 1:
             raise ValueError("ScorerConfig.hidden must be >= 1 for kind 'mlp'")
         self.forget_bias = tuple(float(x) for x in self.forget_bias)  # type: ignore[assignment]
+        self.observed = tuple(None if o is None else int(o) for o in self.observed)  # type: ignore[assignment]
+        if any(o is not None and o < 1 for o in self.observed):
+            raise ValueError(f"ScorerConfig.observed windows must be >= 1 or None, got {self.observed}")
+
+    @property
+    def n_extra(self) -> int:
+        """Extra per-token inputs of the read path (the observed-attention features)."""
+        return len(self.observed)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["forget_bias"] = list(self.forget_bias)
+        d["observed"] = list(self.observed)
         return d
 
     @classmethod
@@ -96,6 +117,8 @@ class ScorerConfig:
         d = dict(d)
         if "forget_bias" in d:
             d["forget_bias"] = tuple(d["forget_bias"])
+        if "observed" in d:
+            d["observed"] = tuple(d["observed"])
         return cls(**d)
 
 
@@ -153,6 +176,18 @@ class BaseScorer(nn.Module):
     @property
     def param_dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype
+
+    def _with_extra(self, x: Tensor, extra: Tensor | None) -> Tensor:
+        """Append the extra read features (observed attention) to per-token features ``x``."""
+        n = getattr(self, "n_extra", 0)
+        if n == 0:
+            if extra is not None and extra.shape[-1]:
+                raise ValueError(f"this scorer takes no extra features, got {tuple(extra.shape)}")
+            return x
+        if extra is None or extra.shape[:-1] != x.shape[:-1] or extra.shape[-1] != n:
+            got = None if extra is None else tuple(extra.shape)
+            raise ValueError(f"this scorer needs extra features [b, h, T, {n}] (observed attention), got {got}")
+        return torch.cat([x, extra.to(x.dtype)], dim=-1)
 
     def _check_kv(self, k: Tensor, v: Tensor) -> None:
         if k.dim() != 4 or k.shape != v.shape:

@@ -27,14 +27,15 @@ class KVpopMLP(BaseScorer):
     is_stateful = False
 
     def __init__(self, kv_heads: int, head_dim: int, hidden: int = 64, *, input_norm: bool = True,
-                 eps: float = 1e-6, seed: int = 0) -> None:
+                 eps: float = 1e-6, seed: int = 0, n_extra: int = 0) -> None:
         super().__init__()
         self.kv_heads = int(kv_heads)
         self.head_dim = int(head_dim)
         self.hidden = int(hidden)
         self.input_norm = bool(input_norm)
         self.eps = float(eps)
-        din = feature_dim(self.head_dim, self.input_norm)
+        self.n_extra = int(n_extra)
+        din = feature_dim(self.head_dim, self.input_norm) + self.n_extra
         self.in_dim = din
         H = self.kv_heads
         self.w1 = nn.Parameter(torch.empty(H, din, self.hidden))
@@ -46,7 +47,7 @@ class KVpopMLP(BaseScorer):
     @classmethod
     def from_config(cls, config: ScorerConfig, layer_idx: int = 0) -> KVpopMLP:
         return cls(config.kv_heads, config.head_dim, config.hidden, input_norm=config.input_norm,
-                   eps=config.eps, seed=config.seed + layer_idx)
+                   eps=config.eps, seed=config.seed + layer_idx, n_extra=config.n_extra)
 
     def reset_parameters(self, seed: int = 0) -> None:
         g = _generator(seed)
@@ -57,18 +58,19 @@ class KVpopMLP(BaseScorer):
             self.b2.zero_()
 
     # ------------------------------------------------------------------ scoring
-    def score(self, k: Tensor, v: Tensor) -> Tensor:
-        """[b, h, T, D] keys/values -> [b, h, T] scores."""
+    def score(self, k: Tensor, v: Tensor, extra: Tensor | None = None) -> Tensor:
+        """[b, h, T, D] keys/values (+ extra [b, h, T, n_extra] features) -> [b, h, T] scores."""
         self._check_kv(k, v)
         x = kv_features(k, v, self.input_norm, self.eps, dtype=self.w1.dtype)
+        x = self._with_extra(x, extra)
         hdn = F.silu(head_linear(x, self.w1, self.b1))
         return head_linear(hdn, self.w2, self.b2.unsqueeze(-1)).squeeze(-1)
 
     def forward(self, k: Tensor, v: Tensor, window: int | None = None, *, mask: Tensor | None = None,
-                **unused) -> Tensor:
+                extra: Tensor | None = None, **unused) -> Tensor:
         """Scores of every token, ``[b, h, T]``. ``window`` and ``mask`` are accepted for
         interface parity with the mLSTM scorer and ignored (the MLP is per-token)."""
-        return self.score(k, v)
+        return self.score(k, v, extra)
 
     # --------------------------------------------- uniform inference interface
     def init_state(self, batch: int = 1, device=None, dtype=None) -> None:
@@ -77,12 +79,13 @@ class KVpopMLP(BaseScorer):
     def step(self, state, k: Tensor, v: Tensor, mask: Tensor | None = None):
         return state
 
-    def read(self, state, k: Tensor, v: Tensor) -> Tensor:
-        return self.score(k, v)
+    def read(self, state, k: Tensor, v: Tensor, extra: Tensor | None = None) -> Tensor:
+        return self.score(k, v, extra)
 
     def step_and_read(self, state, k_new: Tensor, v_new: Tensor, k_read: Tensor, v_read: Tensor,
-                      read_steps: Tensor | None = None, mask: Tensor | None = None):
-        return state, self.score(k_read, v_read)
+                      read_steps: Tensor | None = None, mask: Tensor | None = None,
+                      extra: Tensor | None = None):
+        return state, self.score(k_read, v_read, extra)
 
     def extra_repr(self) -> str:
         return (f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, hidden={self.hidden}, "

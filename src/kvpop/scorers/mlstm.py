@@ -121,7 +121,7 @@ class KVpopMLSTM(BaseScorer):
     def __init__(self, kv_heads: int, head_dim: int, dk: int = 32, dv: int = 32, hidden: int = 64, *,
                  input_norm: bool = True, read_mlp: bool = True, h_norm: bool = True,
                  forget_gate: str = "sigmoid", forget_bias: tuple[float, float] = (3.0, 6.0),
-                 chunk_size: int = 128, eps: float = 1e-6, seed: int = 0) -> None:
+                 chunk_size: int = 128, eps: float = 1e-6, seed: int = 0, n_extra: int = 0) -> None:
         super().__init__()
         if forget_gate not in ("sigmoid", "exp"):
             raise ValueError(f"forget_gate must be 'sigmoid' or 'exp', got {forget_gate!r}")
@@ -147,6 +147,9 @@ class KVpopMLSTM(BaseScorer):
         self.b_proj = nn.Parameter(torch.empty(H, E))
         self.w_out = nn.Parameter(torch.empty(H, self.dv + self.hidden, 1))
         self.b_out = nn.Parameter(torch.empty(H))
+        # extra read-time features (observed attention) enter the read columns (query and feature MLP)
+        self.n_extra = int(n_extra)
+        self.w_extra = nn.Parameter(torch.empty(H, self.n_extra, self.dk + self.hidden)) if self.n_extra else None
         self.q_scale = 1.0 / math.sqrt(self.dk)
         self.reset_parameters(seed)
 
@@ -155,7 +158,8 @@ class KVpopMLSTM(BaseScorer):
         return cls(config.kv_heads, config.head_dim, config.dk, config.dv, config.hidden,
                    input_norm=config.input_norm, read_mlp=config.read_mlp, h_norm=config.h_norm,
                    forget_gate=config.forget_gate, forget_bias=config.forget_bias,
-                   chunk_size=config.chunk_size, eps=config.eps, seed=config.seed + layer_idx)
+                   chunk_size=config.chunk_size, eps=config.eps, seed=config.seed + layer_idx,
+                   n_extra=config.n_extra)
 
     def reset_parameters(self, seed: int = 0) -> None:
         """Deterministic init: projections N(0, 1/Din), gate weights N(0, 0.1^2/Din), input-gate
@@ -172,6 +176,8 @@ class KVpopMLSTM(BaseScorer):
                 fb = F.logsigmoid(fb)
             self.b_proj[:, self._o_gate + 1].copy_(fb.to(self.b_proj.dtype))
             self.b_out.zero_()
+        if self.w_extra is not None:
+            _normal_(self.w_extra, 1.0 / math.sqrt(self.n_extra), g)
 
     # ----------------------------------------------------------------- helpers
     def _project(self, k: Tensor, v: Tensor) -> Tensor:
@@ -189,11 +195,20 @@ class KVpopMLSTM(BaseScorer):
         logf = F.logsigmoid(fg) if self.forget_gate == "sigmoid" else fg
         return kk, vv, ig, logf
 
-    def _split_read(self, p: Tensor, dtype: torch.dtype | None = None):
-        qq = p[..., self._o_q:self._o_u]
+    def _split_read(self, p: Tensor, dtype: torch.dtype | None = None, extra: Tensor | None = None):
+        r = p[..., self._o_q:]
+        if self.n_extra:
+            if extra is None or extra.shape[:-1] != r.shape[:-1] or extra.shape[-1] != self.n_extra:
+                got = None if extra is None else tuple(extra.shape)
+                raise ValueError(f"this scorer needs extra features [b, h, n, {self.n_extra}] (observed attention), "
+                                 f"got {got}")
+            r = r + torch.einsum("bhne,hef->bhnf", extra.to(r.dtype), self.w_extra)
+        elif extra is not None and extra.shape[-1]:
+            raise ValueError(f"this scorer takes no extra features, got {tuple(extra.shape)}")
+        qq = r[..., : self.dk]
         if dtype is not None and qq.dtype != dtype:
             qq = qq.to(dtype)
-        return qq * self.q_scale, p[..., self._o_u:]
+        return qq * self.q_scale, r[..., self.dk:]
 
     def _head(self, h: Tensor, u: Tensor) -> Tensor:
         if h.dtype != self.w_out.dtype:
@@ -344,7 +359,7 @@ class KVpopMLSTM(BaseScorer):
     # ------------------------------------------------------------- public API
     def forward(self, k: Tensor, v: Tensor, window: int, *, mask: Tensor | None = None,
                 mode: str = "chunkwise", chunk_size: int | None = None, query_block: int = 512,
-                return_state: bool = False):
+                return_state: bool = False, extra: Tensor | None = None):
         """Scores of every token of a sequence, ``[b, h, T]``: token t read at step
         min(t + window, T - 1) (see module docstring). ``mask`` [b, T] (bool, True = real
         token) makes padding positions identity updates of the state (left padding keeps
@@ -360,7 +375,7 @@ class KVpopMLSTM(BaseScorer):
             return (s, self.init_state(b, k.device)) if return_state else s
         p = self._project(k, v)
         kk, vv, ig, logf = self._split_new(p)
-        qq, u = self._split_read(p)
+        qq, u = self._split_read(p, extra=extra)
         ig, logf = self._apply_mask(ig, logf, mask)
         if mode == "chunkwise":
             h, state = self._chunkwise(kk, vv, ig, logf, qq, window, int(chunk_size or self.chunk_size))
@@ -396,16 +411,17 @@ class KVpopMLSTM(BaseScorer):
         ig, logf = self._apply_mask(ig, logf, mask)
         return self._update(state, kk, vv, ig, logf)
 
-    def read(self, state: MLSTMState, k: Tensor, v: Tensor) -> Tensor:
+    def read(self, state: MLSTMState, k: Tensor, v: Tensor, extra: Tensor | None = None) -> Tensor:
         """Scores [b, h, n] of (exiting) tokens k, v [b, h, n, d] against the current state."""
         self._check_kv(k, v)
         self._check_state(state, k.shape[0])
-        qq, u = self._split_read(self._project(k, v), state.C.dtype)
+        qq, u = self._split_read(self._project(k, v), state.C.dtype, extra)
         return self._head(_read_h(state, qq), u)
 
     def step_and_read(self, state: MLSTMState, k_new: Tensor, v_new: Tensor, k_read: Tensor,
                       v_read: Tensor, read_steps: Tensor | Sequence[int] | None = None,
-                      mask: Tensor | None = None, query_block: int = 512) -> tuple[MLSTMState, Tensor]:
+                      mask: Tensor | None = None, query_block: int = 512,
+                      extra: Tensor | None = None) -> tuple[MLSTMState, Tensor]:
         """Consume n new tokens and score m tokens, in one call (one fused projection).
 
         read_steps: None -> every read after all new tokens (decode: n = m = 1); else [m] or
@@ -420,7 +436,7 @@ class KVpopMLSTM(BaseScorer):
                           torch.cat([v_new, v_read.to(v_new.dtype)], 2))
         dt = state.C.dtype
         kk, vv, ig, logf = self._split_new(p[:, :, :n], dt)
-        qq, u = self._split_read(p[:, :, n:], dt)
+        qq, u = self._split_read(p[:, :, n:], dt, extra)
         if read_steps is None:
             if n == 1:
                 state = self._update1(state, kk, vv, ig, logf, mask)

@@ -1,0 +1,96 @@
+"""``kvpop train``: argument parsing over :class:`TrainConfig` (also ``python -m kvpop.train`` under torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+from .config import TRAIN_CORPORA, TrainConfig
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _observed(text: str) -> tuple[int | None, ...]:
+    if text in ("", "none"):
+        return ()
+    return tuple(None if x in ("all", "window") else int(x) for x in text.split(","))
+
+
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(
+        prog="kvpop train",
+        description="Train a KVpop scorer with the LLM frozen. Resumes if --out holds a checkpoint of the same run; "
+        "runs under torchrun too (one process per core: OMP_NUM_THREADS=1 each).",
+    )
+    d = TrainConfig()
+    p.add_argument("--kind", dest="scorer", choices=["mlp", "mlstm"], default=d.scorer, help="scorer kind")
+    p.add_argument("--out", required=True, help="output folder (checkpoints, summary.json); an existing run resumes")
+    p.add_argument("--model", default=None, help="local HF folder or .gguf (default: embedded SmolLM2)")
+    p.add_argument("--corpora", default=",".join(TRAIN_CORPORA),
+                   help="comma-separated training corpora (kvpop.data; default keeps paul_graham and python_code "
+                        "out, for the out-of-domain evaluation)")  # fmt: skip
+    p.add_argument("--docs-from", default=None, help="train on your own texts: a folder of .txt or a .jsonl")
+    p.add_argument("--budgets", type=_ints, default=d.budgets,
+                   help="comma-separated budgets B; one is drawn per step (default 512)")  # fmt: skip
+    p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
+    p.add_argument("--window", type=int, default=None, help="protected window (default: --window-fraction of B)")
+    p.add_argument("--window-fraction", type=float, default=d.window_fraction)
+    p.add_argument("--observed", type=_observed, default=d.observed,
+                   help="observed-attention inputs: comma-separated observation windows, 'all' = the whole window, "
+                        "'none' = keys and values only (default all,32,1)")  # fmt: skip
+    p.add_argument("--no-position-free", dest="position_free", action="store_false",
+                   help="feed post-RoPE keys (default: undo RoPE)")  # fmt: skip
+    p.add_argument("--no-tilt", dest="tilt", action="store_false", help="no learned per-head recency tilt")
+    p.add_argument("--extra-windows", type=_ints, default=(), help="also capture targets for these windows (store)")
+    for name in ("seq_len", "batch_size", "sinks", "steps", "seed", "val_docs", "val_every", "ckpt_every", "hidden",
+                 "dk", "dv", "stop_after"):  # fmt: skip
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("lam", "tau", "lr", "weight_decay"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--loss", choices=["boundary", "mse"], default=d.loss)
+    p.add_argument("--weighting", choices=["uniform", "mass"], default=d.weighting)
+    p.add_argument("--store", default=None, help="capture store folder: captures are kept there and reused")
+    p.add_argument("--capture-only", action="store_true", help="fill --store for --steps x --batch-size sequences")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (the model and scorer move there)")
+    p.add_argument("--check-sync", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def config_from_args(args) -> TrainConfig:
+    kw = {k: v for k, v in vars(args).items() if k in TrainConfig.field_names()}
+    kw["corpora"] = tuple(c for c in args.corpora.split(",") if c)
+    kw["progress"] = not args.no_progress
+    return TrainConfig(**kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        cfg.validate()  # bad input fails before the model loads
+    except (TypeError, ValueError) as exc:
+        print(f"kvpop train: error: {exc}", file=sys.stderr)
+        return 2
+    from .loop import train
+
+    try:
+        summary = train(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kvpop train: error: {exc}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        if "best" in summary:
+            print(json.dumps({"best": summary["best"], "tokens_seen": summary["tokens_seen"],
+                              "seconds": summary["seconds_this_process"]}, indent=1))  # fmt: skip
+        else:
+            print(json.dumps(summary, indent=1))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,207 @@
+"""Training data: a stream of token windows, their captures, and an optional store on disk.
+
+A training example is one forward of the frozen LLM over a window of ``seq_len`` tokens with
+everything the loss needs recorded per layer (``kvpop.capture``): post-RoPE keys and values,
+the future-attention targets for every window the run trains at, and the observed-attention
+statistics. Sequences are numbered in the deterministic order of
+:func:`kvpop.data.training_windows`, so sequence ``j`` is the same on every rank and after a
+resume. A :class:`CaptureStore` keeps captures on disk (keys and values in float16) so a sweep
+of scorer settings, or a second scorer, reuses them instead of running the LLM again; without
+one every sequence is captured on the fly and dropped after its step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..capture import collect
+from ..checkpoint import atomic_write, model_fingerprint
+from .config import TrainConfig
+
+STORE_FORMAT = "kvpop-capture-store-v1"
+
+
+@dataclass
+class Example:
+    """Captures of ``b`` sequences; ``L`` layers, ``h`` KV heads, ``S`` tokens."""
+
+    keys: Tensor  # [L, b, h, S, d] post-RoPE, as the cache holds them
+    values: Tensor  # [L, b, h, S, d]
+    targets: dict[int, Tensor]  # window -> [L, b, h, S] log future attention (-inf: undefined)
+    observed: dict[int, Tensor]  # window -> [L, b, h, S, n] observed-attention statistics
+    corpora: list[str]
+
+    @property
+    def seq_len(self) -> int:
+        return self.keys.shape[3]
+
+    def float(self, device="cpu") -> Example:
+        return Example(
+            self.keys.to(device, torch.float32), self.values.to(device, torch.float32),
+            {w: t.to(device, torch.float32) for w, t in self.targets.items()},
+            {w: o.to(device, torch.float32) for w, o in self.observed.items()}, self.corpora,
+        )  # fmt: skip
+
+    @staticmethod
+    def cat(parts: list[Example]) -> Example:
+        return Example(
+            torch.cat([p.keys for p in parts], 1), torch.cat([p.values for p in parts], 1),
+            {w: torch.cat([p.targets[w] for p in parts], 1) for w in parts[0].targets},
+            {w: torch.cat([p.observed[w] for p in parts], 1) for w in parts[0].observed},
+            [c for p in parts for c in p.corpora],
+        )  # fmt: skip
+
+
+@torch.no_grad()
+def capture_example(model, ids: Tensor, windows, sinks: int, obs_windows, corpora: list[str]) -> Example:
+    """One no-grad forward of ``ids [b, S]`` recording what training needs (``kvpop.capture.collect``)."""
+    windows = sorted(set(int(w) for w in windows))
+    caps = collect(
+        model, ids.to(next(model.parameters()).device), window=windows[0], extra_windows=windows[1:],
+        observed_windows=windows if obs_windows else (), sinks=sinks, obs_windows=tuple(obs_windows) or (None,),
+    )  # fmt: skip
+    return Example(
+        keys=torch.stack([c.keys for c in caps]),
+        values=torch.stack([c.values for c in caps]),
+        targets={w: torch.stack([c.targets[w].float() for c in caps]) for w in windows},
+        observed={w: torch.stack([c.observed[w] for c in caps]) for w in windows} if obs_windows else {},
+        corpora=list(corpora),
+    )
+
+
+class SequenceSource:
+    """Sequence ``j`` of the run's deterministic stream: ``(corpus, ids [seq_len])``.
+
+    Access is sequential (each rank asks for increasing ``j``); asking for an earlier ``j`` restarts.
+    """
+
+    def __init__(self, cfg: TrainConfig, tokenizer, split: str = "train", seed: int | None = None) -> None:
+        self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
+        self.seed = cfg.seed if seed is None else seed
+        self._it: Iterator | None = None
+        self._next = 0
+
+    def _stream(self) -> Iterator[tuple[str, Tensor]]:
+        from .. import data
+
+        cfg = self.cfg
+        if cfg.docs_from:
+            docs = data.read_user_documents(cfg.docs_from)
+            docs = data.split_documents(docs, self.split) or docs
+            epoch = 0
+            while True:
+                n = 0
+                for ids in data.iter_packed(self.tokenizer, docs, cfg.seq_len, add_bos=False,
+                                            seed=self.seed + epoch):  # fmt: skip
+                    n += 1
+                    yield "user", ids
+                if n == 0:
+                    raise ValueError(f"no {self.split} sequence of {cfg.seq_len} tokens in {cfg.docs_from}")
+                epoch += 1
+        else:
+            yield from data.training_windows(self.tokenizer, cfg.corpora, cfg.seq_len, self.split, self.seed)
+
+    def get(self, j: int) -> tuple[str, Tensor]:
+        if self._it is None or j < self._next:
+            self._it, self._next = self._stream(), 0
+        while self._next < j:
+            next(self._it)
+            self._next += 1
+        self._next += 1
+        return next(self._it)
+
+
+class CaptureStore:
+    """A folder of captured sequences (``seq_000123.safetensors``), keyed by what made them.
+
+    ``store.json`` records the model fingerprint, the data stream (corpora or user folder, split,
+    seed, length), the sinks, observation windows and target windows; a run whose settings
+    differ refuses the store rather than training on captures of something else. A run may use
+    a subset of the store's windows.
+    """
+
+    def __init__(self, folder, cfg: TrainConfig, model, split: str = "train") -> None:
+        self.folder = Path(folder)
+        self.meta = {
+            "format": STORE_FORMAT,
+            "fingerprint": model_fingerprint(model),
+            "data": {"corpora": list(cfg.corpora) if not cfg.docs_from else None, "docs_from": cfg.docs_from,
+                     "split": split, "seed": cfg.seed, "seq_len": cfg.seq_len},  # fmt: skip
+            "sinks": cfg.sinks,
+            "obs_windows": list(cfg.observed),
+            "windows": list(cfg.capture_windows()),
+        }
+        path = self.folder / "store.json"
+        if path.exists():
+            have = json.loads(path.read_text())
+            for key in ("format", "fingerprint", "data", "sinks", "obs_windows"):
+                if have.get(key) != self.meta[key]:
+                    raise ValueError(
+                        f"capture store {self.folder} was made with other settings ({key}: {have.get(key)!r} vs "
+                        f"{self.meta[key]!r}); use another --store folder"
+                    )
+            missing = sorted(set(self.meta["windows"]) - set(have["windows"]))
+            if missing:
+                raise ValueError(f"capture store {self.folder} has no targets for windows {missing} "
+                                 f"(it has {have['windows']}); use another --store folder")  # fmt: skip
+            self.meta["windows"] = have["windows"]
+        else:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(self.meta, indent=1)))
+
+    @property
+    def windows(self) -> list[int]:
+        return list(self.meta["windows"])
+
+    def path(self, j: int) -> Path:
+        return self.folder / f"seq_{j:06d}.safetensors"
+
+    def has(self, j: int) -> bool:
+        return self.path(j).is_file()
+
+    def save(self, j: int, ex: Example) -> None:
+        from safetensors.torch import save_file
+
+        if ex.keys.shape[1] != 1:
+            raise ValueError("the store keeps one sequence per file")
+        tensors = {"keys": ex.keys[:, 0].half().contiguous().cpu(), "values": ex.values[:, 0].half().contiguous().cpu()}
+        for w, t in ex.targets.items():
+            tensors[f"target_{w}"] = t[:, 0].float().contiguous().cpu()
+        for w, o in ex.observed.items():
+            tensors[f"observed_{w}"] = o[:, 0].float().contiguous().cpu()
+        meta = {"corpus": ex.corpora[0]}
+        atomic_write(self.path(j), lambda tmp: save_file(tensors, tmp, metadata={"kvpop": json.dumps(meta)}))
+
+    def load(self, j: int, windows) -> Example:
+        from safetensors import safe_open
+
+        with safe_open(str(self.path(j)), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("kvpop", "{}"))
+
+            def get(name: str) -> Tensor:
+                return f.get_tensor(name).unsqueeze(1)
+
+            targets = {w: get(f"target_{w}") for w in windows}
+            observed = {w: get(f"observed_{w}") for w in windows} if self.meta["obs_windows"] else {}
+            return Example(get("keys"), get("values"), targets, observed, [meta.get("corpus", "?")])
+
+
+def example_for(j: int, source: SequenceSource, store: CaptureStore | None, model, cfg: TrainConfig) -> Example:
+    """Sequence ``j``'s capture: from the store, or captured now (and stored, with a store)."""
+    windows = cfg.windows()
+    if store is not None and store.has(j):
+        return store.load(j, windows)
+    corpus, ids = source.get(j)
+    ex = capture_example(model, ids.view(1, -1), store.windows if store else windows, cfg.sinks, cfg.observed,
+                         [corpus])  # fmt: skip
+    if store is not None:
+        store.save(j, ex)
+        ex = Example(ex.keys, ex.values, {w: ex.targets[w] for w in windows},
+                     {w: ex.observed[w] for w in windows} if ex.observed else {}, ex.corpora)  # fmt: skip
+    return ex
