@@ -237,3 +237,27 @@ def test_sliding_window_that_never_slides_is_full_attention():
     # Qwen2.5-style configs: use_sliding_window False (or a window >= max_position_embeddings)
     KVpopCache(tiny_model("qwen2", sliding_window=16, use_sliding_window=False).config, budget=64, policy="knorm")
     KVpopCache(tiny_model("mistral", sliding_window=4096).config, budget=64, policy="knorm")
+
+
+def test_learned_policy_defaults_to_its_trained_window_and_lam_and_warns_on_others():
+    from kvpop.cache import ScorerSettingsWarning
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    scorer = _policy("kvpop-mlp", model).scorer
+    trained = {"budgets": [24], "window": None, "window_fraction": 0.5, "windows": {"24": 12}, "lam": 0.01}
+    pol = LearnedPolicy(scorer, trained_for=trained)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScorerSettingsWarning)
+        c = KVpopCache(model.config, budget=24, policy=pol)
+        assert (c.eviction.window, c.eviction.lam) == (12, 0.01)
+        c = KVpopCache(model.config, budget=40, policy=pol)  # another budget: the trained window fraction
+        assert c.eviction.window == 20
+        c = KVpopCache(model.config, compression=0.5, reference_length=64, policy=pol)
+        assert c.eviction.window == 16
+    with pytest.warns(ScorerSettingsWarning, match="window 3 .*trained: 12"):
+        KVpopCache(model.config, budget=24, window=3, policy=pol)
+    with pytest.warns(ScorerSettingsWarning, match="lam 0.0 .*trained: 0.01"):
+        KVpopCache(model.config, budget=24, lam=0.0, policy=pol)
+    # heuristics keep the library defaults (B // 8, lam 0)
+    c = KVpopCache(model.config, budget=24, policy="h2o")
+    assert (c.eviction.window, c.eviction.lam) == (3, 0.0)

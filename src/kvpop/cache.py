@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -22,11 +23,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import rule
 from .attention import NAME as ATTN_NAME
 from .attention import KVpopOffset, attach
-from .config import EvictionConfig, attention_shape, check_full_attention
+from .config import EvictionConfig, attention_shape, budget_of_compression, check_full_attention
 from .policies import DEFAULT_POLICY, DENSE, LEARNED_POLICIES, ExitBatch, Policy, get_policy, map_state
 from .rule import NEVER, decide_chunk
 
 _PENDING = "_kvpop_layer"
+
+
+class ScorerSettingsWarning(UserWarning):
+    """A learned scorer is used with a window or recency tilt it was not trained for."""
 
 
 class KVpopLayer(CacheLayerMixin):
@@ -431,13 +436,23 @@ class KVpopCache(Cache):
         window: int | None = None,
         sinks: int = 4,
         policy: str | Policy = DEFAULT_POLICY,
-        lam: float = 0.0,
+        lam: float | None = None,
         prefill_chunk: int | None = None,
         eviction: EvictionConfig | None = None,
         **policy_kwargs,
     ):
         check_full_attention(config)
+        if eviction is not None and any(v is not None for v in (budget, k, compression, reference_length, window)):
+            raise ValueError("give either eviction=EvictionConfig(...) or budget/k/compression/window, not both")
+        pol = get_policy(policy, **policy_kwargs)
         if eviction is None:
+            # unset window / lam: the policy's own (a learned scorer's trained settings), else the defaults
+            if window is None and k is None and (budget is not None or compression is not None):
+                b = budget if compression is None else budget_of_compression(compression, reference_length)
+                if isinstance(b, int) and not isinstance(b, bool) and b >= 1:
+                    window = pol.default_window(b)
+            if lam is None:
+                lam = pol.default_lam() or 0.0
             eviction = EvictionConfig.from_budget(
                 budget,
                 k=k,
@@ -448,9 +463,10 @@ class KVpopCache(Cache):
                 lam=lam,
                 prefill_chunk=prefill_chunk,
             )
-        elif any(v is not None for v in (budget, k, compression, reference_length, window)):
-            raise ValueError("give either eviction=EvictionConfig(...) or budget/k/compression/window, not both")
-        pol = get_policy(policy, **policy_kwargs)
+        check = getattr(pol, "check_settings", None)
+        note = check(eviction) if check is not None else None
+        if note:
+            warnings.warn(note, ScorerSettingsWarning, stacklevel=2)
         if not pol.uses_long_range and eviction.k > 0:
             # equal budget, all of it recency: StreamingLLM with a longer window
             eviction = EvictionConfig(
@@ -492,7 +508,7 @@ def make_cache(
     reference_length: int | None = None,
     window: int | None = None,
     sinks: int = 4,
-    lam: float = 0.0,
+    lam: float | None = None,
     prefill_chunk: int | None = None,
     eviction: EvictionConfig | None = None,
     **policy_kwargs,

@@ -69,14 +69,21 @@ def _add_budget(p: argparse.ArgumentParser, default_budget: int | None = 512) ->
     g.add_argument("--budget", type=int, default=None, help=f"slots per KV head B = sinks + window + k (default {default_budget})")
     g.add_argument("--compression", type=float, default=None, help="compression r in (0, 1) of --reference-length")
     p.add_argument("--reference-length", type=int, default=4096, help="L for --compression (default 4096)")
-    p.add_argument("--window", type=int, default=None, help="protected recent window (default B // 8)")
+    p.add_argument("--window", type=int, default=None,
+                   help="protected recent window (default: the learned scorer's trained window, else B // 8)")
     p.add_argument("--sinks", type=int, default=4, help="attention sinks kept forever (default 4)")
+    p.add_argument("--lam", type=float, default=None,
+                   help="recency tilt of the priority r(t) + lam * t (default: the scorer's trained lam, else 0)")
 
 
 def _budget_kwargs(args, default_budget: int | None = 512) -> dict:
     if args.compression is not None:
         return {"compression": args.compression, "reference_length": args.reference_length, "window": args.window, "sinks": args.sinks}
     return {"budget": args.budget if args.budget is not None else default_budget, "window": args.window, "sinks": args.sinks}
+
+
+def _cache_kwargs(args) -> dict:
+    return {**_budget_kwargs(args), "lam": args.lam}
 
 
 def cmd_info(args) -> int:
@@ -130,7 +137,7 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     model, tok = load_model_quietly(args.model)
     print(f"[kvpop] model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    kwargs = {} if policy == "dense" else _budget_kwargs(args)
+    kwargs = {} if policy == "dense" else _cache_kwargs(args)
     res = generate(model, tok, prompt, policy=policy, policy_kwargs=policy_kwargs, max_new_tokens=args.max_new_tokens,
                    chat=args.chat, **kwargs)  # fmt: skip
     print(res.text)

@@ -74,6 +74,20 @@ def check_full_attention(config) -> None:
         )
 
 
+def budget_of_compression(compression: float, reference_length: int | None) -> int:
+    """``B = round((1 - r) L)``, with ``r`` in (0, 1) and ``L`` a positive int."""
+    if isinstance(compression, bool) or not isinstance(compression, (int, float)) or not (0.0 < compression < 1.0):
+        raise ValueError(f"compression must be in (0, 1), got {compression!r}")
+    if reference_length is None or isinstance(reference_length, bool) or reference_length < 1:
+        raise ValueError(
+            f"compression={compression} needs reference_length=L (a positive int), got {reference_length!r}"
+        )
+    budget = round((1.0 - compression) * reference_length)
+    if budget < 1:
+        raise ValueError(f"compression={compression} of reference_length={reference_length} leaves no slots")
+    return budget
+
+
 @dataclass(frozen=True)
 class EvictionConfig:
     """Resolved per-head budget ``B = sinks + window + k`` (method.md section 1)."""
@@ -143,17 +157,7 @@ class EvictionConfig:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be an int >= 1, got {window!r}")
         if compression is not None:
-            if not isinstance(compression, (int, float)) or not (0.0 < compression < 1.0):
-                raise ValueError(f"compression must be in (0, 1), got {compression!r}")
-            if reference_length is None or isinstance(reference_length, bool) or reference_length < 1:
-                raise ValueError(
-                    f"compression={compression} needs reference_length=L (a positive int), got {reference_length!r}"
-                )
-            budget = round((1.0 - compression) * reference_length)
-            if budget < 1:
-                raise ValueError(
-                    f"compression={compression} of reference_length={reference_length} leaves no slots"
-                )
+            budget = budget_of_compression(compression, reference_length)
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
                 raise ValueError(f"budget must be a positive int, got {budget!r}")

@@ -81,6 +81,7 @@ def generate(
     reference_length: int | None = None,
     window: int | None = None,
     sinks: int = 4,
+    lam: float | None = None,
     max_new_tokens: int = 128,
     chat: bool = False,
     allow_position_overflow: bool = False,
@@ -92,8 +93,9 @@ def generate(
     ``policy`` is a name from ``kvpop.POLICIES``, ``"dense"``, or a :class:`Policy`; the default
     is the shipped mLSTM scorer (``"kvpop"``). ``policy_kwargs`` go to the policy factory (e.g.
     ``{"path": "scorer.safetensors"}``). The budget is ``budget=B``, ``k=K`` (+ ``window``), or
-    ``compression=r`` with ``reference_length=L``. ``chat=True`` wraps each prompt in the
-    tokenizer's chat template.
+    ``compression=r`` with ``reference_length=L``; ``window`` and the recency tilt ``lam``
+    default to what a learned scorer was trained with (else ``B // 8`` and 0). ``chat=True``
+    wraps each prompt in the tokenizer's chat template.
     """
     if isinstance(policy, str) and policy != DENSE and policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {DENSE}, {', '.join(sorted(POLICIES))}")
@@ -116,6 +118,7 @@ def generate(
         reference_length=reference_length,
         window=window,
         sinks=sinks,
+        lam=lam,
         **(policy_kwargs or {}),
     )
     if chat:

@@ -95,6 +95,14 @@ class Policy:
         """The statistics ``ExitBatch.attention`` carries (last dim), for a cache with this window."""
         return (self.observation_window(window),)
 
+    def default_window(self, budget: int) -> int | None:
+        """The protected window this policy prefers at ``budget`` (None: the library default, ``B // 8``)."""
+        return None
+
+    def default_lam(self) -> float | None:
+        """The recency tilt this policy prefers (None: 0)."""
+        return None
+
     def init_state(self, batch: int, num_kv_heads: int, layer_idx: int, device: torch.device) -> State:
         """A fresh per-sequence state of one layer (held by the cache layer, not by the policy)."""
         return None

@@ -29,8 +29,9 @@ class LearnedPolicy(Policy):
     name = "kvpop"
 
     def __init__(self, scorer: ScorerStack, name: str | None = None, fingerprint: dict | None = None,
-                 source: str | None = None) -> None:  # fmt: skip
+                 source: str | None = None, trained_for: dict | None = None) -> None:  # fmt: skip
         self.scorer = scorer.eval()
+        self.trained_for = trained_for or {}  # checkpoint metadata: budgets, window (fraction), lam
         self.name = name or KIND_TO_POLICY[scorer.config.kind]
         self.stateful = bool(scorer.is_stateful)
         self.needs_attention = bool(scorer.config.observed)  # the scorer reads observed attention
@@ -48,6 +49,38 @@ class LearnedPolicy(Policy):
                 f"scorer {self.source} was built for {cfg.num_layers} layers x {cfg.kv_heads} KV heads x head_dim "
                 f"{cfg.head_dim}; this model has {shape.num_layers} x {shape.kv_heads} x {shape.head_dim}"
             )
+
+    def default_window(self, budget: int) -> int | None:
+        """The window the scorer was trained with at this budget (its window fraction at other budgets)."""
+        tf = self.trained_for
+        windows = tf.get("windows") or {}
+        if str(budget) in windows:
+            return int(windows[str(budget)])
+        if tf.get("window_fraction"):
+            return max(1, int(round(float(tf["window_fraction"]) * budget)))
+        if tf.get("window") is not None:
+            return int(tf["window"])
+        return None
+
+    def default_lam(self) -> float | None:
+        lam = self.trained_for.get("lam")
+        return None if lam is None else float(lam)
+
+    def check_settings(self, eviction) -> str | None:
+        """A warning text when ``eviction`` differs from what the scorer was trained for, else None."""
+        if not self.trained_for:
+            return None
+        problems = []
+        want = self.default_window(eviction.budget)
+        if want is not None and abs(eviction.window - want) > max(1, 0.1 * want):
+            problems.append(f"window {eviction.window} (trained: {want} at B={eviction.budget})")
+        lam = self.default_lam()
+        if lam is not None and abs(eviction.lam - lam) > 1e-12:
+            problems.append(f"lam {eviction.lam} (trained: {lam})")
+        if not problems:
+            return None
+        return (f"scorer {self.source} was not trained for " + " and ".join(problems)
+                + "; its decisions may be worse than with the trained settings (leave window/lam unset to use them)")
 
     def observation_windows(self, window: int) -> tuple[int, ...]:
         return tuple(window if o is None else min(o, window) for o in self.scorer.config.observed)
@@ -88,16 +121,16 @@ def learned_policy_factory(kind: str):
     def make(scorer: ScorerStack | None = None, path=None, model=None) -> LearnedPolicy:
         from ..checkpoint import default_scorer_path, load_scorer
 
-        fingerprint = source = None
+        fingerprint = source = trained = None
         if scorer is None:
             path = path or default_scorer_path(kind)
             scorer, meta = load_scorer(path, model=model)
-            fingerprint, source = meta.get("fingerprint"), str(path)
+            fingerprint, source, trained = meta.get("fingerprint"), str(path), meta.get("trained_for")
         if scorer.config.kind != kind:
             raise ValueError(
                 f"policy {KIND_TO_POLICY[kind]} needs a {kind} scorer, got a {scorer.config.kind} one "
                 f"(that is policy {KIND_TO_POLICY[scorer.config.kind]})"
             )
-        return LearnedPolicy(scorer, fingerprint=fingerprint, source=source)
+        return LearnedPolicy(scorer, fingerprint=fingerprint, source=source, trained_for=trained)
 
     return make
