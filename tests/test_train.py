@@ -194,3 +194,17 @@ def test_cli_main_validates_first(tmp_path, capsys):
         main(["--kind", "nope", "--out", str(tmp_path)])
     assert main(["--out", str(tmp_path), "--budget", "4"]) == 2
     assert "smaller than sinks" in capsys.readouterr().err
+
+
+def test_noisy_oracle_diagnostic(tmp_path, docs):
+    from kvpop.train.diagnose import noisy_oracle, plot_noisy_oracle
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    cfg = _cfg(tmp_path, docs)
+    res = noisy_oracle(model, tok, cfg, 24, [0.0, 1.0, 4.0], n_docs=2, progress=False)
+    exact, noisy = res["sigmas"]["0.0"], res["sigmas"]["4.0"]
+    assert exact["rank_correlation"] == pytest.approx(1.0)
+    assert noisy["rank_correlation"] < 0.6
+    assert 0 < res["streaming"] <= 1.2 and len(exact["per_doc"]) == 2
+    plot_noisy_oracle(res, tmp_path / "n.png")
+    assert (tmp_path / "n.png").stat().st_size > 0

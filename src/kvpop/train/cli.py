@@ -49,7 +49,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--no-tilt", dest="tilt", action="store_false", help="no learned per-head recency tilt")
     p.add_argument("--extra-windows", type=_ints, default=(), help="also capture targets for these windows (store)")
     for name in ("seq_len", "batch_size", "sinks", "steps", "seed", "val_docs", "val_every", "ckpt_every", "hidden",
-                 "dk", "dv", "stop_after"):  # fmt: skip
+                 "dk", "dv", "stop_after", "cycle"):  # fmt: skip
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("lam", "tau", "lr", "weight_decay"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))

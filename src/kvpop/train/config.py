@@ -15,7 +15,7 @@ TRAIN_CORPORA = ("shakespeare", "wikipedia", "python_docs", "human_eval", "perl_
 # Fields that change what a checkpoint means: a resumed run must agree on them.
 RESUME_KEYS = ("scorer", "seq_len", "budgets", "window", "window_fraction", "sinks", "lam", "loss", "weighting",
                "lr", "hidden", "dk", "dv", "position_free", "observed", "tilt", "corpora", "docs_from", "seed",
-               "steps", "batch_size")
+               "steps", "batch_size", "cycle")
 
 
 @dataclass
@@ -49,6 +49,7 @@ class TrainConfig:
     observed: tuple[int | None, ...] = (None, 32, 1)  # observed-attention inputs (() = keys and values only)
     tilt: bool = True  # learned per-head recency tilt
     store: str | None = None  # capture store folder (None: capture every sequence on the fly, keep nothing)
+    cycle: int = 0  # >0: step sequences cycle over the first `cycle` of the stream (sweeps over a filled store)
     capture_only: bool = False  # fill the store and stop (no scorer training)
     extra_windows: tuple[int, ...] = ()  # also capture targets for these windows (a store serving later runs)
     val_docs: int = 4  # validation documents for retention under the real KVpopCache
@@ -112,6 +113,8 @@ class TrainConfig:
         for name in ("steps", "batch_size", "val_every", "ckpt_every", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cycle < 0:
+            raise ValueError(f"cycle must be >= 0, got {self.cycle}")
         if self.val_docs < 0:
             raise ValueError(f"val_docs must be >= 0, got {self.val_docs}")
         if self.lr <= 0 or self.tau <= 0:

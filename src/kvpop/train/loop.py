@@ -156,7 +156,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None) -> dict:
     while step < cfg.steps:
         j0 = step * cfg.batch_size + rank * per_rank
         t0 = time.perf_counter()
-        ex = Example.cat([example_for(j, source, store, model, cfg) for j in range(j0, j0 + per_rank)]).float(device)
+        seqs = [j % cfg.cycle if cfg.cycle else j for j in range(j0, j0 + per_rank)]
+        ex = Example.cat([example_for(j, source, store, model, cfg) for j in seqs]).float(device)
         t_capture += time.perf_counter() - t0
         budget = random.Random(cfg.seed * 100003 + step).choice(cfg.budgets)
         ev = cfg.eviction(budget)
