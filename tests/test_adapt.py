@@ -167,6 +167,9 @@ def test_adapt_runs_and_trains_lora_and_scorer(tmp_path, docs, scorer_path, join
     bundle = load_adapter_bundle(tiny_model("llama"), tmp_path / "adapter")
     changed = [not torch.equal(a, b) for a, b in zip(start.state_dict().values(), bundle.scorer.state_dict().values())]
     assert any(changed) == joint
+    umask = os.umask(0)
+    os.umask(umask)
+    assert all(f.stat().st_mode & 0o777 == 0o666 & ~umask for f in (tmp_path / "adapter").iterdir())  # readable
     meta = bundle.meta["meta"]
     assert meta["mask"] == "kvpop" and meta["steps"] == 4 and meta["joint"] == joint
     assert meta["trained_for"]["windows"] == {"24": 8} and meta["tokens_seen"] == 4 * 64
