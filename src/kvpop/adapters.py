@@ -164,6 +164,7 @@ def _atomic_dir(path: Path, write) -> None:
         write(tmp)
         for f in tmp.rglob("*"):
             if f.is_file():
+                os.chmod(f, 0o666 & ~umask)  # some writers (safetensors) create 0600 files
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         if path.exists():

@@ -173,6 +173,12 @@ def cmd_train(rest: list[str]) -> int:
     return train_main(rest)
 
 
+def cmd_adapt(rest: list[str]) -> int:
+    from .adapt import main as adapt_main
+
+    return adapt_main(rest)
+
+
 def cmd_diagnose(rest: list[str]) -> int:
     from .train.diagnose import main as diagnose_main
 
@@ -213,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     pb = sub.add_parser("bench", help="benchmarks (write JSON); `kvpop bench NAME --help` for a benchmark's options")
     pb.add_argument("what", choices=BENCHMARKS)
     sub.add_parser("train", help="train a KVpop scorer (see `kvpop train --help`)", add_help=False)
+    sub.add_parser("adapt", help="adapt the LLM to the bounded cache with LoRA (see `kvpop adapt --help`)",
+                   add_help=False)  # fmt: skip
     sub.add_parser("diagnose", help="diagnostics of the learned scorer (see `kvpop diagnose noisy-oracle --help`)",
                    add_help=False)  # fmt: skip
     sub.add_parser("eval", help="evaluate policies and budgets (see `kvpop eval --help`)", add_help=False)
@@ -222,8 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train", "eval", "diagnose"):
-        run = {"train": cmd_train, "eval": cmd_eval, "diagnose": cmd_diagnose}[argv[0]]
+    if argv and argv[0] in ("train", "eval", "diagnose", "adapt"):
+        run = {"train": cmd_train, "eval": cmd_eval, "diagnose": cmd_diagnose, "adapt": cmd_adapt}[argv[0]]
         return run(argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:  # the benchmark parses (and --help) its own options
         return cmd_bench(argv[1], argv[2:])

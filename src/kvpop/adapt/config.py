@@ -1,0 +1,224 @@
+"""What an adaptation run is: one dataclass, validated before any model or data is touched."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from ..adapters import DEFAULT_LORA_TARGETS
+from ..config import EvictionConfig
+from ..train.config import TRAIN_CORPORA
+
+MASKS = ("kvpop", "streaming")
+KL_POSITIONS = ("all", "evicted")
+KL_TAILS = ("bucket", "renormalize")
+
+# Fields that change what a checkpoint means: a resumed run must agree on them (plus the resolved
+# windows and lam, the starting scorer's content hash and the base model's fingerprint).
+RESUME_KEYS = ("mask", "joint", "corpora", "docs_from", "seq_len", "batch_size", "budgets", "sinks", "tau",
+               "weighting", "scorer_loss", "lora_r", "lora_alpha", "lora_targets", "full_finetune", "lr",
+               "scorer_lr", "weight_decay", "steps", "top_k", "temperature", "kl_tail", "kl_positions", "seed")  # fmt: skip
+
+
+@dataclass
+class AdaptConfig:
+    """An adaptation run (LoRA or full fine-tune under the eviction mask). See ``kvpop adapt --help``."""
+
+    out: str = "runs/adapt"
+    model: str | None = None
+    mask: str = "kvpop"  # "kvpop": the learned scorer's mask; "streaming": StreamingLLM+ (k = 0, window = B - sinks)
+    scorer: str | None = None  # scorer checkpoint to start from (required for mask kvpop; its kind/config decide)
+    joint: bool = True  # also train the scorer (boundary loss on the adapted model's detached keys/values)
+    corpora: tuple[str, ...] = TRAIN_CORPORA
+    docs_from: str | None = None
+    seq_len: int = 4096
+    batch_size: int = 1  # sequences per step, over all ranks
+    budgets: tuple[int, ...] = (512,)  # one is drawn per step
+    budget: int | None = None  # shorthand for budgets=(budget,)
+    window: int | None = None  # None: window_fraction * B, else the scorer's trained window, else B // 8
+    window_fraction: float | None = None
+    sinks: int = 4
+    lam: float | None = None  # None: the scorer's trained lam, else 0
+    tau: float = 1.0
+    weighting: str = "mass"
+    scorer_loss: str = "boundary"  # "boundary" | "mse"
+    lora_r: int = 16
+    lora_alpha: float | None = None  # None: 2 r
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    full_finetune: bool = False  # train every decoder weight (embeddings / LM head stay frozen) instead of LoRA
+    lr: float = 2e-4
+    scorer_lr: float = 1e-3
+    weight_decay: float = 0.0
+    steps: int = 200
+    top_k: int = 64  # teacher logits kept per position
+    temperature: float = 1.0
+    kl_tail: str = "bucket"  # the teacher's mass outside its top-k: one extra outcome, or "renormalize" it away
+    kl_positions: str = "all"  # "all" positions, or only "evicted" ones (q >= B, where the mask differs from dense)
+    logit_chunk: int = 512  # positions per LM-head call (memory: chunk x vocab)
+    query_block: int = 128  # masked_eviction's query block (sdpa backend)
+    gradient_checkpointing: bool = False
+    val_docs: int = 2
+    val_every: int = 50
+    ckpt_every: int = 25
+    device: str = "cpu"
+    seed: int = 0
+    stop_after: int | None = None  # end this process after that many total steps (as if killed); rerun resumes
+    check_sync: bool = False  # DDP test aid: assert identical weights on all ranks after each step
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            self.budgets = (int(self.budget),)
+            self.budget = None
+        self.budgets = tuple(int(b) for b in self.budgets)
+        self.corpora = tuple(self.corpora)
+        if isinstance(self.lora_targets, str):
+            self.lora_targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        self.lora_targets = tuple(self.lora_targets)
+        self._scorer_header: dict | None = None
+
+    # --- the starting scorer ------------------------------------------------------------
+    def scorer_header(self) -> dict:
+        """The starting scorer checkpoint's header (read once; ``{}`` without a scorer)."""
+        if self.scorer is None:
+            return {}
+        if self._scorer_header is None:
+            from ..checkpoint import read_header
+
+            self._scorer_header = read_header(self.scorer)
+        return self._scorer_header
+
+    def scorer_sha256(self) -> str | None:
+        if self.scorer is None:
+            return None
+        return hashlib.sha256(Path(self.scorer).read_bytes()).hexdigest()[:16]
+
+    def _trained_for(self) -> dict:
+        return self.scorer_header().get("meta", {}).get("trained_for") or {}
+
+    # --- derived ------------------------------------------------------------------------
+    def window_for(self, budget: int) -> int:
+        """The protected window at ``budget``: ``B - sinks`` for the streaming mask, else the
+        explicit window, the window fraction, the scorer's trained window, or ``B // 8``."""
+        if self.mask == "streaming":
+            return budget - self.sinks
+        if self.window is not None:
+            return int(self.window)
+        if self.window_fraction is not None:
+            return max(1, round(self.window_fraction * budget))
+        tf = self._trained_for()
+        if str(budget) in (tf.get("windows") or {}):
+            return int(tf["windows"][str(budget)])
+        if tf.get("window_fraction"):
+            return max(1, round(float(tf["window_fraction"]) * budget))
+        if tf.get("window") is not None:
+            return int(tf["window"])
+        return max(1, budget // 8)
+
+    def lam_value(self) -> float:
+        if self.mask == "streaming":
+            return 0.0
+        if self.lam is not None:
+            return float(self.lam)
+        lam = self._trained_for().get("lam")
+        return 0.0 if lam is None else float(lam)
+
+    def eviction(self, budget: int) -> EvictionConfig:
+        return EvictionConfig.from_budget(budget, window=self.window_for(budget), sinks=self.sinks, lam=self.lam_value())
+
+    def trained_for(self) -> dict:
+        """What the bundle's scorer (and caches built from it) default to."""
+        return {
+            "budgets": list(self.budgets),
+            "window": self.window,
+            "window_fraction": self.window_fraction,
+            "windows": {str(b): self.window_for(b) for b in self.budgets},
+            "sinks": self.sinks,
+            "lam": self.lam_value(),
+            "seq_len": self.seq_len,
+        }
+
+    def resume_view(self) -> dict:
+        d = asdict(self)
+        view = {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in RESUME_KEYS}
+        view["windows"] = {str(b): self.window_for(b) for b in self.budgets}
+        view["lam"] = self.lam_value()
+        view["scorer_sha256"] = self.scorer_sha256()
+        return view
+
+    def validate(self) -> None:
+        if self.mask not in MASKS:
+            raise ValueError(f"mask must be one of {MASKS}, got {self.mask!r}")
+        if self.kl_positions not in KL_POSITIONS:
+            raise ValueError(f"kl_positions must be one of {KL_POSITIONS}, got {self.kl_positions!r}")
+        if self.kl_tail not in KL_TAILS:
+            raise ValueError(f"kl_tail must be one of {KL_TAILS}, got {self.kl_tail!r}")
+        if self.weighting not in ("uniform", "mass"):
+            raise ValueError(f"weighting must be 'uniform' or 'mass', got {self.weighting!r}")
+        if self.scorer_loss not in ("boundary", "mse"):
+            raise ValueError(f"scorer_loss must be 'boundary' or 'mse', got {self.scorer_loss!r}")
+        if self.mask == "kvpop":
+            if not self.scorer:
+                raise ValueError("mask kvpop needs a trained scorer to start from (--scorer PATH, from kvpop train)")
+            self.scorer_header()  # raises for a missing or unreadable checkpoint
+        elif self.scorer:
+            raise ValueError("mask streaming uses no scorer (StreamingLLM+ control); drop --scorer")
+        if not self.budgets:
+            raise ValueError("give at least one budget")
+        if self.window_fraction is not None and not (0.0 < self.window_fraction < 1.0):
+            raise ValueError(f"window_fraction must be in (0, 1), got {self.window_fraction}")
+        if self.lam is not None and (not math.isfinite(self.lam) or self.lam < 0):
+            raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
+        for name in ("steps", "batch_size", "val_every", "ckpt_every", "seq_len", "top_k", "logit_chunk",
+                     "query_block", "lora_r"):  # fmt: skip
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        for b in self.budgets:
+            if b < 2:
+                raise ValueError(f"budget must be >= 2, got {b}")
+            ev = self.eviction(b)  # raises for a budget below sinks + window
+            if self.mask == "kvpop" and ev.k < 1:
+                raise ValueError(f"budget {b} leaves no long-range slot (sinks {ev.sinks} + window {ev.window})")
+            if self.seq_len <= b:
+                raise ValueError(f"seq_len={self.seq_len} must exceed the budget {b} (else nothing is ever evicted)")
+            if self.mask == "kvpop" and self.joint and self.seq_len < ev.sinks + 2 * ev.window + 2:
+                raise ValueError(f"seq_len={self.seq_len} too short for window={ev.window}: the scorer's labels "
+                                 "need > sinks + 2 * window")  # fmt: skip
+        if self.val_docs < 0:
+            raise ValueError(f"val_docs must be >= 0, got {self.val_docs}")
+        for name in ("lr", "scorer_lr", "tau", "temperature"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        if not self.full_finetune and not self.lora_targets:
+            raise ValueError("lora_targets must name at least one module")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"stop_after must be >= 1, got {self.stop_after}")
+        if not self.docs_from:
+            from ..data import CORPORA
+
+            for c in self.corpora:
+                if c not in CORPORA:
+                    raise ValueError(f"unknown corpus {c!r}; known: {', '.join(CORPORA)}")
+        elif not Path(self.docs_from).exists():
+            raise ValueError(f"docs_from {self.docs_from} does not exist")
+        if self.device != "cpu":
+            import torch
+
+            if self.gradient_checkpointing:
+                # the recomputation runs in autograd's device thread, outside the mask's context
+                raise ValueError("gradient_checkpointing is for CPU runs (on a GPU, memory is not the limit)")
+            if not torch.device(self.device).type == "cuda" or not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} is not available here (use cpu, or cuda on a CUDA machine)")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

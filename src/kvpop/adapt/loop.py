@@ -1,0 +1,509 @@
+"""The adaptation loop: KL(dense base || masked student) for the LLM, the boundary loss for the scorer.
+
+One step on a window of ``seq_len`` tokens (method.md section 5, "Adapting the LLM"):
+
+1. **teacher** -- the frozen base model (adapter off: :func:`kvpop.adapters.teacher_mode`),
+   dense, no grad: its top-``k`` next-token logits per position (only those are kept);
+2. **scorer inputs** -- (joint runs) the *adapted* model, dense, no grad, adapter on: keys,
+   values, future-attention targets and observed attention of every layer
+   (:func:`kvpop.train.data.capture_example`): the targets are the adapted model's own future
+   attention, the inputs are detached;
+3. **student** -- the adapted model under the exact eviction mask
+   (:func:`kvpop.mask.masked_eviction`) with the current scorer's priorities (no grad,
+   detached), with grad: the KL of the teacher's next-token distribution from the student's,
+   known from the teacher's top-``k`` only (:func:`topk_kl`: by default over ``k + 1``
+   outcomes, the top-``k`` tokens and "any other"; or ``sum_k p_T log(p_T / p_S)`` with the
+   teacher renormalised over its top-``k``), averaged over all positions (or,
+   ``kl_positions="evicted"``, over positions ``q >= B`` only, where the mask differs from
+   dense). The LM head runs ``logit_chunk`` positions at a time, so the ``S x vocab`` logits
+   never exist at once; the gradient reaches the LoRA weights only;
+4. **scorer** -- the boundary loss (:mod:`kvpop.train.labels`) on the captures of step 2,
+   with its own optimizer.
+
+Both updates use the same weights (the state before the step). Under ``torchrun`` each rank
+takes its own sequences; the gradients of the LoRA weights and of the scorer are averaged over
+ranks (one all-reduce each), so all ranks hold the same weights. Checkpoints: the adapter bundle
+(:func:`kvpop.adapters.save_adapter_bundle`, scorer and metadata inside) in ``out/adapter``
+every ``ckpt_every`` steps, the best one by validation retention in ``out/best``, and
+``out/train_state.pt`` (trainable weights, scorer, both optimizers and schedulers, step,
+history) for resume; all written atomically. ``--mask streaming`` is the StreamingLLM+ control:
+the same fine-tune under a sinks + window mask (``k = 0``, ``window = B - sinks``), no scorer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import random
+import resource
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..adapters import add_lora, lora_config, save_adapter_bundle, teacher_mode
+from ..checkpoint import atomic_write, load_scorer, model_fingerprint
+from ..mask import learned_priority_fn, masked_eviction
+from ..train.data import Example, SequenceSource, capture_example
+from ..train.labels import labels_for, layer_loss
+from ..train.loop import _dist_setup
+from .config import AdaptConfig
+
+STATE_FILE = "train_state.pt"
+FULL_META_FILE = "kvpop_full.json"
+
+
+# --------------------------------------------------------------------------------------------
+# the model: LoRA student + base teacher (or a frozen copy for full fine-tuning)
+# --------------------------------------------------------------------------------------------
+
+
+def prepare_model(cfg: AdaptConfig, model):
+    """``(student, frozen_teacher)``: a peft model with a fresh LoRA adapter and ``None`` (the
+    teacher is the same model with the adapter off), or, with ``full_finetune``, the model with
+    every weight but the embeddings and LM head trainable and a frozen copy as the teacher."""
+    torch.manual_seed(cfg.seed)  # the same LoRA initialisation on every rank and on resume
+    model.requires_grad_(False)
+    if not cfg.full_finetune:
+        return add_lora(model, lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_targets)), None
+    frozen = copy.deepcopy(model).eval()
+    skip = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    for p in model.parameters():
+        if id(p) not in skip:
+            p.requires_grad_(True)
+    return model, frozen
+
+
+@contextlib.contextmanager
+def base_model(model, frozen=None):
+    """The base model (the teacher): ``frozen`` if given, else ``model`` with its adapter off."""
+    if frozen is not None:
+        yield frozen
+    else:
+        with teacher_mode(model):
+            yield model
+
+
+def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _decoder_head(model):
+    dec, head = model.get_decoder(), model.get_output_embeddings()
+    if dec is None or head is None:
+        raise RuntimeError("model has no get_decoder()/get_output_embeddings(); cannot adapt it")
+    return dec, head
+
+
+@torch.no_grad()
+def teacher_topk(model, ids: torch.Tensor, k: int, chunk: int, temperature: float = 1.0):
+    """The dense model's top-``k`` next-token logits ``[b, S, k]`` (float32, divided by
+    ``temperature``), their token ids, and the log-sum-exp over the whole vocabulary ``[b, S]``
+    (so the mass outside the top-``k`` is known); no grad."""
+    dec, head = _decoder_head(model)
+    h = dec(input_ids=ids, use_cache=False).last_hidden_state
+    vals, idx, lse = [], [], []
+    for a in range(0, h.shape[1], chunk):
+        logits = head(h[:, a : a + chunk]).float() / temperature
+        v, i = logits.topk(k, dim=-1)
+        vals.append(v)
+        idx.append(i)
+        lse.append(torch.logsumexp(logits, -1))
+    return torch.cat(vals, 1), torch.cat(idx, 1), torch.cat(lse, 1)
+
+
+def _log_rest(lse_all: torch.Tensor, lse_top: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(lse_top - lse_all))``: the log-probability outside the top-k."""
+    return torch.log(-torch.expm1((lse_top - lse_all).clamp(max=-1e-7)))
+
+
+def topk_kl(student_logits: torch.Tensor, t_vals: torch.Tensor, t_idx: torch.Tensor, t_lse: torch.Tensor | None = None,
+            temperature: float = 1.0, tail: str = "bucket") -> torch.Tensor:  # fmt: skip
+    """Per-position KL of the teacher's next-token distribution from the student's, from the
+    teacher's top-``k`` logits only (``t_vals`` already divided by ``temperature``).
+
+    ``tail="bucket"``: over ``k + 1`` outcomes, the top-``k`` tokens and "any other token" (the
+    teacher's tail mass from ``t_lse``): a true KL, zero iff the student gives every top-``k``
+    token and the tail the teacher's probability. ``tail="renormalize"``: ``sum_k p_T log(p_T /
+    p_S)`` with the teacher renormalised over its top-``k`` and the student's log-probabilities
+    over the full vocabulary: >= 0, but minimal when the student puts no mass outside the top-``k``
+    (it sharpens the model as well).
+    """
+    logp_full = F.log_softmax(student_logits.float() / temperature, -1)
+    logp_s = logp_full.gather(-1, t_idx)
+    if tail == "renormalize":
+        logp_t = F.log_softmax(t_vals, -1)
+        return (logp_t.exp() * (logp_t - logp_s)).sum(-1)
+    if tail != "bucket":
+        raise ValueError(f"tail must be 'bucket' or 'renormalize', got {tail!r}")
+    logp_t = t_vals - t_lse.unsqueeze(-1)
+    rest_t = _log_rest(torch.zeros_like(t_lse), torch.logsumexp(logp_t, -1))
+    rest_s = _log_rest(torch.zeros_like(t_lse), torch.logsumexp(logp_s, -1))
+    return (logp_t.exp() * (logp_t - logp_s)).sum(-1) + rest_t.exp() * (rest_t - rest_s)
+
+
+def position_weights(S: int, budget: int, kl_positions: str, batch: int, device) -> torch.Tensor:
+    """``[b, S]`` 0/1: which positions the KL averages over (all, or ``q >= B``)."""
+    w = torch.ones(batch, S, device=device)
+    if kl_positions == "evicted":
+        w[:, : min(S, budget)] = 0
+    return w
+
+
+def student_step(model, ids, t_vals, t_idx, t_lse, *, priority_fn, ev, cfg: AdaptConfig, budget: int) -> dict:
+    """Forward under the eviction mask and backward of the top-k KL (gradients accumulate on the
+    trainable weights). Returns the loss and the mean KL over evicted / dense-equal positions."""
+    dec, head = _decoder_head(model)
+    b, S = ids.shape
+    w = position_weights(S, budget, cfg.kl_positions, b, ids.device)
+    denom = w.sum().clamp(min=1)
+    scale = cfg.temperature**2
+    kls = []
+    model.train()  # (no dropout in the supported models; needed for gradient checkpointing)
+    try:
+        with masked_eviction(model, priority_fn, sinks=ev.sinks, window=ev.window, k=ev.k,
+                             query_block=cfg.query_block):  # fmt: skip
+            hidden = dec(input_ids=ids, use_cache=False).last_hidden_state
+            h = hidden.detach().requires_grad_(True)
+            for a in range(0, S, cfg.logit_chunk):
+                sl = slice(a, a + cfg.logit_chunk)
+                kl = topk_kl(head(h[:, sl]), t_vals[:, sl], t_idx[:, sl], t_lse[:, sl], cfg.temperature, cfg.kl_tail)
+                ((kl * w[:, sl]).sum() * scale / denom).backward()
+                kls.append(kl.detach())
+            # inside the context: gradient checkpointing recomputes the layers under the same mask
+            hidden.backward(h.grad)
+    finally:
+        model.eval()
+    kl = torch.cat(kls, 1)
+    loss = float((kl * w).sum() / denom) * scale
+    ev_mask = torch.zeros_like(kl, dtype=torch.bool)
+    ev_mask[:, min(S, budget) :] = True
+    return {
+        "kl": loss,
+        "kl_evicted": float(kl[ev_mask].mean()) if bool(ev_mask.any()) else float("nan"),
+        "kl_before_budget": float(kl[~ev_mask].mean()) if bool((~ev_mask).any()) else float("nan"),
+    }
+
+
+def scorer_step(scorer, ex: Example, ev, cfg: AdaptConfig) -> float:
+    """Boundary (or MSE) loss of every layer on detached captures; gradients accumulate on the scorer."""
+    w = ev.window
+    device = ex.keys.device
+    lab = labels_for(ex.targets[w].cpu(), w, ev.k, ev.sinks, ev.lam)
+    if device.type != "cpu":
+        lab = type(lab)(*(t.to(device) for t in (lab.t_new, lab.t_bnd, lab.y, lab.valid)))
+    obs = ex.observed.get(w)
+    scorer.train()
+    losses = []
+    for i in range(ex.keys.shape[0]):
+        sc = scorer.forward_layer(i, ex.keys[i], ex.values[i], w, observed=None if obs is None else obs[i])
+        losses.append(layer_loss(sc, ex.targets[w], lab, i, loss=cfg.scorer_loss, lam=ev.lam, tau=cfg.tau,
+                                 weighting=cfg.weighting, window=w))  # fmt: skip
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    scorer.eval()
+    return float(loss)
+
+
+# --------------------------------------------------------------------------------------------
+# distributed helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _average_grads(params: list[torch.nn.Parameter], world: int) -> None:
+    if world <= 1 or not params:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= world
+    for p, g in zip(params, _unflatten_dense_tensors(flat, grads), strict=True):
+        p.grad = g.clone()
+
+
+def _broadcast(params: list[torch.Tensor]) -> None:
+    for p in params:
+        dist.broadcast(p.data, 0)
+
+
+def _digest(params) -> torch.Tensor:
+    return torch.stack([p.detach().double().sum() for p in params]).sum().view(1).cpu()
+
+
+def _schedule(opt, steps: int):
+    warmup = max(1, min(20, steps // 10))
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def bundle_meta(cfg: AdaptConfig, step: int, quality: dict | None = None) -> dict:
+    meta = {
+        "kind": "kvpop-adapt",
+        "mask": cfg.mask,
+        "joint": bool(cfg.joint and cfg.mask == "kvpop"),
+        "trained_for": cfg.trained_for(),
+        "steps": step,
+        "tokens_seen": step * cfg.batch_size * cfg.seq_len,
+        "corpora": list(cfg.corpora) if not cfg.docs_from else ["user:" + str(cfg.docs_from)],
+        "adapter": {"full_finetune": True} if cfg.full_finetune else {
+            "lora_r": cfg.lora_r,
+            "lora_alpha": cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_r,
+            "lora_targets": list(cfg.lora_targets),
+        },
+        "loss": {
+            "kl": "top-k", "kl_tail": cfg.kl_tail, "top_k": cfg.top_k, "temperature": cfg.temperature,
+            "kl_positions": cfg.kl_positions, "scorer_loss": cfg.scorer_loss, "weighting": cfg.weighting,
+        },
+        "trained_from": {
+            "scorer": cfg.scorer, "scorer_sha256": cfg.scorer_sha256(),
+            "scorer_steps": cfg.scorer_header().get("meta", {}).get("steps"),
+        },
+    }  # fmt: skip
+    if quality is not None:
+        meta["validation"] = strip_per_doc(quality)
+    return meta
+
+
+def strip_per_doc(q):
+    if isinstance(q, dict):
+        return {k: strip_per_doc(v) for k, v in q.items() if k != "per_doc"}
+    return q
+
+
+def save_bundle(model, scorer, path: Path, cfg: AdaptConfig, step: int, tokenizer=None, quality=None) -> Path:
+    """The run's output at ``step``: an adapter bundle, or (full fine-tune) a model folder with the scorer."""
+    meta = bundle_meta(cfg, step, quality)
+    if not cfg.full_finetune:
+        return save_adapter_bundle(model, scorer, path, meta)
+    from ..adapters import SCORER_FILE, _atomic_dir
+    from ..checkpoint import save_scorer
+
+    fingerprint = model_fingerprint(model)  # the scorer serves this fine-tuned model
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        if scorer is not None:
+            save_scorer(scorer, tmp / SCORER_FILE, meta={**meta, "fingerprint": fingerprint})
+        (tmp / FULL_META_FILE).write_text(json.dumps({"format": "kvpop-full-v1", "meta": meta}, indent=2) + "\n")
+
+    if path.exists() and any(path.iterdir()) and not (path / FULL_META_FILE).is_file():
+        raise FileExistsError(f"{path} exists and is not a kvpop fine-tuned model folder; refusing to replace it")
+    _atomic_dir(path, write)
+    return path
+
+
+def _resume_mismatch(saved: dict, now: dict) -> list[str]:
+    keys = list(dict.fromkeys([*now, *saved]))
+    return [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
+
+
+# --------------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------------
+
+
+def adapt(cfg: AdaptConfig, model=None, tokenizer=None) -> dict:
+    """Run the adaptation; returns the summary dict (also written to ``out/summary.json``).
+
+    ``model``/``tokenizer``: the plain base model (default: ``kvpop.load_model(cfg.model)``);
+    it is modified in place (LoRA layers injected).
+    """
+    cfg.validate()
+    rank, world = _dist_setup(cfg.device)
+    if cfg.batch_size % world:
+        raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the number of processes ({world})")
+    out = Path(cfg.out)
+    state_file = out / STATE_FILE
+    blob = None
+    if state_file.exists():
+        blob = torch.load(state_file, map_location="cpu", weights_only=False)
+        diff = _resume_mismatch(blob.get("resume", {}), cfg.resume_view())
+        if diff:
+            raise ValueError(f"{out} holds a run with other settings; use another --out or the same settings ("
+                             + "; ".join(diff) + ")")  # fmt: skip
+    if model is None:
+        from ..models import load_model
+
+        model, tokenizer = load_model(cfg.model, progress=False)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if cfg.top_k > vocab:
+        raise ValueError(f"top_k={cfg.top_k} exceeds the vocabulary ({vocab})")
+    device = torch.device(cfg.device)
+    model = model.to(device).eval()
+    fingerprint = model_fingerprint(model)
+    if blob is not None and blob.get("fingerprint") != fingerprint:
+        raise ValueError(f"{out} holds a run on a different base model; use another --out")
+
+    scorer = None
+    if cfg.mask == "kvpop":
+        scorer, _ = load_scorer(cfg.scorer, model=model)  # refuses a scorer trained for another model
+        scorer = scorer.to(device).eval()
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    model, frozen = prepare_model(cfg, model)
+    params = [p for _, p in trainable(model)]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = _schedule(opt, cfg.steps)
+    train_scorer = scorer is not None and cfg.joint
+    s_opt = s_sched = None
+    if train_scorer:
+        s_opt = torch.optim.AdamW(scorer.parameters(), lr=cfg.scorer_lr, weight_decay=cfg.weight_decay)
+        s_sched = _schedule(s_opt, cfg.steps)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    probe, summary_extra = None, {}
+    if rank == 0 and cfg.val_docs:
+        from .quality import AdaptProbe
+
+        probe = AdaptProbe(model, tokenizer, cfg, frozen=frozen)
+        # where the run starts from: the base model under the mask's policy with the scorer as loaded
+        summary_extra["baseline"] = blob["baseline"] if blob is not None and blob.get("baseline") else \
+            probe.baseline(scorer)  # fmt: skip
+
+    step, history, best = 0, [], {"mean_retention": float("-inf"), "step": 0}
+    if blob is not None:
+        named = dict(trainable(model))
+        missing = set(blob["trainable"]) ^ set(named)
+        if missing:
+            raise ValueError(f"{state_file} does not match this model's trainable weights ({sorted(missing)[:3]} ...)")
+        with torch.no_grad():
+            for n, t in blob["trainable"].items():
+                named[n].copy_(t)
+        opt.load_state_dict(blob["optimizer"])
+        sched.load_state_dict(blob["scheduler"])
+        if scorer is not None:
+            scorer.load_state_dict(blob["scorer"])
+        if train_scorer:
+            s_opt.load_state_dict(blob["scorer_optimizer"])
+            s_sched.load_state_dict(blob["scorer_scheduler"])
+        step, history, best = blob["step"], blob["history"], blob.get("best", best)
+        if rank == 0 and cfg.progress:
+            print(f"[kvpop adapt] resuming from step {step} ({state_file})", file=sys.stderr)
+    if world > 1:  # identical starting weights on every rank
+        _broadcast(params + (list(scorer.parameters()) if scorer is not None else []))
+
+    source = SequenceSource(cfg, tokenizer, "train")
+    per_rank = cfg.batch_size // world
+    obs = tuple(scorer.config.observed) if scorer is not None else ()
+    bar = tqdm(total=cfg.steps, initial=step, disable=not (cfg.progress and rank == 0), desc=f"adapt ({cfg.mask})")
+    t_start, t_parts = time.perf_counter(), {"teacher": 0.0, "capture": 0.0, "student": 0.0, "scorer": 0.0}
+    last_quality = None
+    while step < cfg.steps:
+        j0 = step * cfg.batch_size + rank * per_rank
+        seqs = [source.get(j) for j in range(j0, j0 + per_rank)]
+        corpora = [c for c, _ in seqs]
+        ids = torch.stack([x.view(-1) for _, x in seqs]).to(device)
+        budget = random.Random(cfg.seed * 100003 + step).choice(cfg.budgets)
+        ev = cfg.eviction(budget)
+        opt.zero_grad(set_to_none=True)
+        if train_scorer:
+            s_opt.zero_grad(set_to_none=True)
+
+        t0 = time.perf_counter()
+        with base_model(model, frozen) as teacher:
+            t_vals, t_idx, t_lse = teacher_topk(teacher, ids, cfg.top_k, cfg.logit_chunk, cfg.temperature)
+        t1 = time.perf_counter()
+        rss = {"teacher": peak_rss_mib()}
+        ex = None
+        if train_scorer:
+            ex = capture_example(model, ids, [ev.window], ev.sinks, obs, corpora).float(device)
+        t2 = time.perf_counter()
+        rss["capture"] = peak_rss_mib()
+        fn = None if cfg.mask == "streaming" else learned_priority_fn(scorer, ev.window, ev.lam, sinks=ev.sinks)
+        rec = student_step(model, ids, t_vals, t_idx, t_lse, priority_fn=fn, ev=ev, cfg=cfg, budget=budget)
+        t3 = time.perf_counter()
+        rss["student"] = peak_rss_mib()
+        s_loss = scorer_step(scorer, ex, ev, cfg) if train_scorer else None
+        del ex
+        t4 = time.perf_counter()
+        rss["scorer"] = peak_rss_mib()
+
+        _average_grads(params, world)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        if train_scorer:
+            _average_grads(list(scorer.parameters()), world)
+            torch.nn.utils.clip_grad_norm_(scorer.parameters(), 1.0)
+            s_opt.step()
+            s_sched.step()
+        if world > 1:  # the logged losses are the whole batch's (all ranks)
+            logged = torch.tensor([rec["kl"], rec["kl_evicted"], rec["kl_before_budget"], s_loss or 0.0],
+                                  dtype=torch.float64, device=device)  # fmt: skip
+            dist.all_reduce(logged)
+            logged = (logged / world).tolist()
+            rec = {"kl": logged[0], "kl_evicted": logged[1], "kl_before_budget": logged[2]}
+            s_loss = logged[3] if s_loss is not None else None
+        step += 1
+        for key, dt in zip(t_parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            t_parts[key] += dt
+        if cfg.check_sync and world > 1:
+            d = _digest(params + (list(scorer.parameters()) if scorer is not None else []))
+            all_d = [torch.zeros_like(d) for _ in range(world)]
+            dist.all_gather(all_d, d)
+            if not all(torch.equal(all_d[0], x) for x in all_d):
+                raise RuntimeError(f"ranks diverged at step {step}: {[float(x) for x in all_d]}")
+        record = {"step": step, **rec, "scorer_loss": s_loss, "lr": sched.get_last_lr()[0], "budget": budget,
+                  "corpora": corpora, "seconds": t4 - t0,
+                  "peak_rss_mib_after": {k: round(v, 1) for k, v in rss.items()}}  # fmt: skip
+        if probe is not None and (step % cfg.val_every == 0 or step == cfg.steps):
+            q = {"step": step, **probe(scorer)}
+            record["val"] = last_quality = q
+            if q["mean_retention"] > best["mean_retention"]:
+                best = {"mean_retention": q["mean_retention"], "step": step}
+                save_bundle(model, scorer, out / "best", cfg, step, tokenizer, q)
+            bar.write(f"[kvpop adapt] step {step}: " + probe.describe(q))
+        history.append(record)
+        bar.set_postfix(kl=f"{rec['kl']:.4f}", s_loss="-" if s_loss is None else f"{s_loss:.3f}")
+        bar.update(1)
+        if rank == 0 and (step % cfg.ckpt_every == 0 or step == cfg.steps):
+            save_bundle(model, scorer, out / "adapter", cfg, step, tokenizer, last_quality)
+            state = {
+                "trainable": {n: p.detach().cpu().clone() for n, p in trainable(model)},
+                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "scorer": scorer.state_dict() if scorer is not None else None,
+                "scorer_optimizer": s_opt.state_dict() if train_scorer else None,
+                "scorer_scheduler": s_sched.state_dict() if train_scorer else None,
+                "step": step, "history": history, "best": best, "config": asdict(cfg),
+                "resume": cfg.resume_view(), "fingerprint": fingerprint,
+                "baseline": summary_extra.get("baseline"),
+            }  # fmt: skip
+            atomic_write(state_file, lambda tmp, state=state: torch.save(state, tmp))
+        if world > 1:
+            dist.barrier()
+        if cfg.stop_after is not None and step >= cfg.stop_after:
+            break
+    bar.close()
+    wall = time.perf_counter() - t_start
+    summary = {
+        "steps": step, "tokens_seen": step * cfg.batch_size * cfg.seq_len, "seconds_this_process": wall,
+        "seconds_by_part": t_parts, "peak_rss_mib": peak_rss_mib(), "history": history, "best": best,
+        "config": asdict(cfg), "trained_for": cfg.trained_for(), "base_fingerprint": fingerprint,
+        **summary_extra,
+    }  # fmt: skip
+    if rank == 0:
+        atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1, default=str)))
+    return summary

@@ -1,0 +1,224 @@
+"""Quality of an adapted model, always against the BASE model's dense outputs.
+
+The adapted model is a slightly different model, so the number users care about is how close
+*adapted + bounded cache* comes to *base + dense*: teacher-forced retention ``ppl_base_dense /
+ppl_policy`` and ``KL(base dense || policy)`` under a real :class:`kvpop.KVpopCache`
+(:func:`kvpop.make_cache`), over the positions after the budget first filled. Next to it, the
+adapted model's own dense retention (how far the adapter moved the model; it should stay within
+about 1%).
+
+* :class:`AdaptProbe` -- validation during ``kvpop adapt`` (model selection, ``best/``);
+* :func:`compare_adapted` -- the report table: adapted kvpop, adapted streaming, base kvpop,
+  base streaming, adapted dense, from a base model and a bundle, through the public API.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import torch
+
+from ..adapters import load_adapter_bundle, read_bundle_meta
+from ..cache import make_cache
+from ..checkpoint import load_scorer
+from ..evaluate.core import Sums, hidden_states, sums_from_hidden
+from ..policies import LearnedPolicy
+from ..train.data import SequenceSource
+from ..train.quality import VALIDATION_SEED
+from .config import AdaptConfig
+from .loop import base_model
+
+__all__ = ["AdaptProbe", "compare_adapted"]
+
+
+def _metrics(sums: Sums) -> dict:
+    m = sums.metrics()
+    return {k: m[k] for k in ("retention", "kl", "top1_agreement", "ppl_dense", "ppl_policy", "n_tokens")}
+
+
+class AdaptProbe:
+    """Validation windows (validation split of the training data) and the base model's dense runs."""
+
+    def __init__(self, model, tokenizer, cfg: AdaptConfig, frozen=None, n_docs: int | None = None) -> None:
+        self.model, self.frozen, self.cfg = model, frozen, cfg
+        n = cfg.val_docs if n_docs is None else n_docs
+        source = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED)
+        self.docs = [source.get(j) for j in range(n)]
+        self._base: list[torch.Tensor | None] = [None] * n
+
+    @torch.no_grad()
+    def base_hidden(self, i: int) -> torch.Tensor:
+        if self._base[i] is None:
+            with base_model(self.model, self.frozen) as m:
+                self._base[i] = hidden_states(m, self.docs[i][1], None)
+        return self._base[i]
+
+    def _policy(self, scorer):
+        return "streaming" if self.cfg.mask == "streaming" else LearnedPolicy(scorer)
+
+    @torch.no_grad()
+    def _run(self, m, policy, dense: bool) -> dict:
+        cfg = self.cfg
+        tot = {b: Sums() for b in cfg.budgets}
+        tot_dense_b = {b: Sums() for b in cfg.budgets}
+        tot_dense = Sums()
+        per_doc = {b: [] for b in cfg.budgets}
+        for i, (corpus, ids) in enumerate(self.docs):
+            bh = self.base_hidden(i)
+            dh = hidden_states(m, ids, None) if dense else None
+            if dense:
+                tot_dense = tot_dense.add(sums_from_hidden(m, bh, dh, ids, 0))
+            for b in cfg.budgets:
+                ev = cfg.eviction(b)
+                cache = make_cache(m, policy, budget=b, window=ev.window, sinks=ev.sinks, lam=ev.lam)
+                s = sums_from_hidden(m, bh, hidden_states(m, ids, cache), ids, b)
+                tot[b] = tot[b].add(s)
+                per_doc[b].append({"corpus": corpus, "retention": s.metrics()["retention"]})
+                if dense:
+                    tot_dense_b[b] = tot_dense_b[b].add(sums_from_hidden(m, bh, dh, ids, b))
+        out: dict = {}
+        for b in cfg.budgets:
+            out[str(b)] = {**_metrics(tot[b]), "per_doc": per_doc[b]}
+            if dense:
+                out[str(b)]["dense_retention"] = tot_dense_b[b].metrics()["retention"]
+        if dense:
+            out["dense"] = _metrics(tot_dense)
+        mean = sum(out[str(b)]["retention"] for b in cfg.budgets) / len(cfg.budgets)
+        out["mean_retention"] = mean if math.isfinite(mean) else float("-inf")
+        return out
+
+    def __call__(self, scorer) -> dict:
+        """The adapted model under its mask's policy (the current scorer) and dense, vs the base dense."""
+        if not self.docs:
+            return {}
+        was = scorer.training if scorer is not None else False
+        try:
+            return self._run(self.model, self._policy(scorer), dense=True)
+        finally:
+            if scorer is not None:
+                scorer.train(was)
+
+    def baseline(self, scorer) -> dict:
+        """The base model under the same policy (where the run starts from)."""
+        if not self.docs:
+            return {}
+        with base_model(self.model, self.frozen) as m:
+            return self._run(m, self._policy(scorer), dense=False)
+
+    def describe(self, q: dict) -> str:
+        parts = [f"B={b} retention {q[str(b)]['retention']:.4f} (KL {q[str(b)]['kl']:.4f})" for b in self.cfg.budgets]
+        if "dense" in q:
+            parts.append(f"adapted dense retention {q['dense']['retention']:.4f} (KL {q['dense']['kl']:.4f})")
+        return ", ".join(parts) + " vs base dense"
+
+
+# --------------------------------------------------------------------------------------------
+# the report table
+# --------------------------------------------------------------------------------------------
+
+
+def _window(tf: dict, budget: int, windows: dict | None) -> int:
+    if windows and budget in windows:
+        return int(windows[budget])
+    if str(budget) in (tf.get("windows") or {}):
+        return int(tf["windows"][str(budget)])
+    if tf.get("window_fraction"):
+        return max(1, round(float(tf["window_fraction"]) * budget))
+    if tf.get("window") is not None:
+        return int(tf["window"])
+    return max(1, budget // 8)
+
+
+@torch.no_grad()
+def compare_adapted(base_model, bundle, docs, budgets=None, *, streaming_bundle=None, base_scorer=None,
+                    windows: dict | None = None, sinks: int | None = None, lam: float | None = None) -> dict:  # fmt: skip
+    """Retention of the adapted and the base model under kvpop and StreamingLLM, and the adapted
+    model dense, all against the BASE model's dense outputs, on ``docs``.
+
+    ``base_model``: the plain base model (left untouched: each bundle goes onto a copy).
+    ``bundle``: a kvpop adapter bundle with a scorer (``kvpop adapt --mask kvpop``).
+    ``docs``: 1-D token-id tensors, or ``(label, ids)`` pairs. ``budgets``: default the bundle's.
+    ``streaming_bundle``: the StreamingLLM+ control (``kvpop adapt --mask streaming``); "adapted
+    streaming" uses its adapter (else the kvpop bundle's adapter under StreamingLLM).
+    ``base_scorer``: the scorer for "base kvpop" (a path or a ``ScorerStack``; default the scorer
+    the bundle was trained from, if that file is still there, else the bundle's own scorer).
+    ``windows`` ``{budget: window}``, ``sinks``, ``lam``: default what the bundle was trained for.
+    Every row is scored over positions ``>= B`` (dense rows too, at each budget).
+
+    Returns ``{"budgets": {"B": {row: metrics (+ "per_doc")}}, "settings": {...}}``; rows:
+    ``adapted kvpop``, ``adapted streaming``, ``base kvpop``, ``base streaming``, ``adapted dense``
+    (and ``streaming+ dense`` with ``streaming_bundle``).
+    """
+    header = read_bundle_meta(bundle)
+    tf = header.get("meta", {}).get("trained_for") or {}
+    budgets = [int(b) for b in (budgets or tf.get("budgets") or [])]
+    if not budgets:
+        raise ValueError("give budgets (the bundle records none)")
+    sinks = int(tf.get("sinks", 4) if sinks is None else sinks)
+    lam = float(tf.get("lam") or 0.0) if lam is None else float(lam)
+    docs = [d if isinstance(d, tuple) else (f"doc{i}", d) for i, d in enumerate(docs)]
+    docs = [(label, ids.view(-1).cpu()) for label, ids in docs]
+
+    base_model.eval()
+    adapted = load_adapter_bundle(copy.deepcopy(base_model), bundle)
+    if adapted.scorer is None:
+        raise ValueError(f"{bundle} has no scorer (a --mask streaming bundle?); pass it as streaming_bundle=")
+    adapted_scorer = adapted.scorer.to(base_model.device)
+    stream_model = adapted.model
+    if streaming_bundle is not None:
+        stream_model = load_adapter_bundle(copy.deepcopy(base_model), streaming_bundle).model
+    base_source = "the bundle's own scorer"
+    if base_scorer is None:
+        start = (header.get("meta", {}).get("trained_from") or {}).get("scorer")
+        if start and Path(start).is_file():
+            base_scorer, base_source = start, str(start)
+        else:
+            base_scorer = adapted_scorer
+    if isinstance(base_scorer, (str, Path)):
+        base_source = str(base_scorer)
+        base_scorer, _ = load_scorer(base_scorer, model=base_model)
+    elif base_scorer is not adapted_scorer:
+        base_source = "given ScorerStack"
+    base_scorer = base_scorer.to(base_model.device)
+
+    rows = {
+        "adapted kvpop": (adapted.model, LearnedPolicy(adapted_scorer)),
+        "adapted streaming": (stream_model, "streaming"),
+        "base kvpop": (base_model, LearnedPolicy(base_scorer)),
+        "base streaming": (base_model, "streaming"),
+        "adapted dense": (adapted.model, None),
+    }
+    if streaming_bundle is not None:
+        rows["streaming+ dense"] = (stream_model, None)
+    sums = {b: {r: Sums() for r in rows} for b in budgets}
+    per_doc = {b: {r: [] for r in rows} for b in budgets}
+    for label, ids in docs:
+        bh = hidden_states(base_model, ids, None)
+        dense_h = {}
+        for b in budgets:
+            w = _window(tf, b, windows)
+            for r, (m, policy) in rows.items():
+                if policy is None:
+                    if id(m) not in dense_h:
+                        dense_h[id(m)] = hidden_states(m, ids, None)
+                    ph = dense_h[id(m)]
+                else:
+                    stream = policy == "streaming"
+                    cache = make_cache(m, policy, budget=b, window=b - sinks if stream else w, sinks=sinks,
+                                       lam=0.0 if stream else lam)  # fmt: skip
+                    ph = hidden_states(m, ids, cache)
+                s = sums_from_hidden(base_model, bh, ph, ids, b)
+                sums[b][r] = sums[b][r].add(s)
+                per_doc[b][r].append({"doc": label, "retention": s.metrics()["retention"]})
+    result = {str(b): {r: {**_metrics(sums[b][r]), "per_doc": per_doc[b][r]} for r in rows} for b in budgets}
+    return {
+        "budgets": result,
+        "settings": {
+            "windows": {str(b): _window(tf, b, windows) for b in budgets}, "sinks": sinks, "lam": lam,
+            "bundle": str(bundle), "streaming_bundle": None if streaming_bundle is None else str(streaming_bundle),
+            "base_scorer": base_source, "docs": [label for label, _ in docs],
+        },
+    }  # fmt: skip
+

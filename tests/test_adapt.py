@@ -1,0 +1,322 @@
+"""kvpop adapt: the KL and its gradients, the joint scorer step, the StreamingLLM+ control,
+checkpoints / resume, bundles loadable by kvpop.load_model, DDP, config errors, the report helper."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvpop
+from kvpop.adapt import AdaptConfig, adapt, compare_adapted, main
+from kvpop.adapt.loop import prepare_model, student_step, teacher_topk, topk_kl
+from kvpop.adapters import AdapterMismatchError, load_adapter_bundle, read_bundle_meta, teacher_mode
+from kvpop.checkpoint import load_scorer, model_fingerprint, save_scorer
+from kvpop.mask import learned_priority_fn
+from kvpop.policies import LearnedPolicy
+from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer
+from kvpop.train import TrainConfig
+from kvpop.train.loop import build_run_scorer, trained_for
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("docs")
+    rng = random.Random(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "into", "green", "hills",
+             "and", "old", "trees"]  # fmt: skip
+    for i in range(30):
+        (folder / f"d{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def scorer_path(tmp_path_factory, docs):
+    """A (freshly initialised) mLSTM scorer checkpoint for the tiny Llama, trained for B=24, window 8."""
+    model = tiny_model("llama")
+    tcfg = TrainConfig(docs_from=str(docs), seq_len=64, budgets=(24,), window=8, sinks=2, observed=(None, 4, 1))
+    path = tmp_path_factory.mktemp("scorer") / "scorer.safetensors"
+    save_scorer(build_run_scorer(tcfg, model), path, {"fingerprint": model_fingerprint(model),
+                                                      "trained_for": trained_for(tcfg)})  # fmt: skip
+    return path
+
+
+def _cfg(out, docs, scorer=None, **kw):
+    base = {"out": str(out), "docs_from": str(docs), "seq_len": 64, "budgets": (24,), "sinks": 2, "steps": 4,
+            "val_every": 2, "ckpt_every": 2, "val_docs": 0, "progress": False, "lr": 1e-2, "scorer_lr": 1e-2,
+            "lora_r": 4, "scorer": None if scorer is None else str(scorer)}  # fmt: skip
+    base.update(kw)
+    return AdaptConfig(**base)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def _base_weights_unchanged(adapted, fresh):
+    want = dict(fresh.named_parameters())
+    for name, p in adapted.named_parameters():
+        if "lora_" in name:
+            continue
+        key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        assert torch.equal(p, want[key]), key
+
+
+IDS = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+
+
+# --------------------------------------------------------------------------------------------
+# the loss
+# --------------------------------------------------------------------------------------------
+
+
+def test_topk_kl_bucket_and_renormalize():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(2, 5, 40, generator=g) * 3
+    s = torch.randn(2, 5, 40, generator=g) * 3
+    full = (F.softmax(t, -1) * (F.log_softmax(t, -1) - F.log_softmax(s, -1))).sum(-1)
+    for k in (1, 8, 40):
+        v, i = t.topk(k, -1)
+        lse = torch.logsumexp(t, -1)
+        bucket = topk_kl(s, v, i, lse)
+        assert (bucket >= -1e-6).all() and (bucket <= full + 1e-5).all()  # coarse-graining never adds KL
+        assert topk_kl(t, v, i, lse).abs().max() < 1e-5  # zero at the teacher itself
+        assert (topk_kl(s, v, i, lse, tail="renormalize") >= -1e-6).all()
+    v, i = t.topk(40, -1)
+    torch.testing.assert_close(topk_kl(s, v, i, torch.logsumexp(t, -1)), full, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(topk_kl(s, v, i, None, tail="renormalize"), full, rtol=1e-4, atol=1e-5)
+
+
+def _student(scorer_path, lr=3e-3):
+    model = tiny_model("llama")
+    cfg = _cfg("unused", "unused", scorer_path, lr=lr)
+    scorer, _ = load_scorer(scorer_path, model=model)
+    model, frozen = prepare_model(cfg, model)
+    assert frozen is None
+    ev = cfg.eviction(24)
+    fn = learned_priority_fn(scorer, ev.window, ev.lam, sinks=ev.sinks)
+    return model, cfg, ev, fn
+
+
+def test_student_gradients_reach_only_lora_and_the_kl_falls(scorer_path):
+    model, cfg, ev, fn = _student(scorer_path)
+    assert (ev.sinks, ev.window, ev.k) == (2, 8, 14)  # the window comes from the scorer's checkpoint
+    with teacher_mode(model):
+        t = teacher_topk(model, IDS, cfg.top_k, 16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    kls = []
+    for _ in range(12):
+        opt.zero_grad(set_to_none=True)
+        rec = student_step(model, IDS, *t, priority_fn=fn, ev=ev, cfg=cfg, budget=24)
+        kls.append(rec["kl_evicted"])
+        if len(kls) == 1:
+            assert abs(rec["kl_before_budget"]) < 1e-6  # a fresh adapter is the base model; no eviction before B
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            assert grads and all("lora_" in n for n in grads)
+            assert all(torch.isfinite(g).all() for g in grads.values())
+            assert sum(float(g.abs().sum()) for g in grads.values()) > 0
+        opt.step()
+    assert all(torch.isfinite(torch.tensor(kls)))
+    assert kls[-1] < 0.5 * kls[0], kls
+    _base_weights_unchanged(model, tiny_model("llama"))
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(scorer_path):
+    grads = []
+    for gc in (False, True):
+        model, cfg, ev, fn = _student(scorer_path)
+        with torch.no_grad():  # a non-identity adapter, so every LoRA weight gets a gradient
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.05)
+        if gc:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with teacher_mode(model):
+            t = teacher_topk(model, IDS, cfg.top_k, 16)
+        student_step(model, IDS, *t, priority_fn=fn, ev=ev, cfg=cfg, budget=24)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-7, msg=n)
+
+
+# --------------------------------------------------------------------------------------------
+# the loop
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("joint", [True, False])
+def test_adapt_runs_and_trains_lora_and_scorer(tmp_path, docs, scorer_path, joint):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    s = adapt(_cfg(tmp_path, docs, scorer_path, joint=joint, val_docs=1, steps=4), model, tok)
+    hist = s["history"]
+    assert len(hist) == 4 and all(torch.isfinite(torch.tensor([h["kl"] for h in hist])))
+    assert all((h["scorer_loss"] is not None) == joint for h in hist)
+    _base_weights_unchanged(model, tiny_model("llama"))  # the base model was not touched: only LoRA trained
+    start, _ = load_scorer(scorer_path)
+    bundle = load_adapter_bundle(tiny_model("llama"), tmp_path / "adapter")
+    changed = [not torch.equal(a, b) for a, b in zip(start.state_dict().values(), bundle.scorer.state_dict().values())]
+    assert any(changed) == joint
+    umask = os.umask(0)
+    os.umask(umask)
+    assert all(f.stat().st_mode & 0o777 == 0o666 & ~umask for f in (tmp_path / "adapter").iterdir())  # readable
+    meta = bundle.meta["meta"]
+    assert meta["mask"] == "kvpop" and meta["steps"] == 4 and meta["joint"] == joint
+    assert meta["trained_for"]["windows"] == {"24": 8} and meta["tokens_seen"] == 4 * 64
+    assert meta["trained_from"]["scorer"] == str(scorer_path)
+    # validation: retention against the base dense model, the adapted model's own dense retention, best kept
+    val = [h["val"] for h in hist if "val" in h]
+    assert len(val) == 2 and 0 < val[-1]["24"]["retention"] and 0 < val[-1]["dense"]["retention"]
+    assert "24" in s["baseline"] and (tmp_path / "best" / "kvpop_adapter.json").is_file()
+    assert read_bundle_meta(tmp_path / "best")["meta"]["steps"] == s["best"]["step"]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+
+
+def test_streaming_control(tmp_path, docs):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    s = adapt(_cfg(tmp_path, docs, mask="streaming", val_docs=1, steps=2, gradient_checkpointing=True,
+                   kl_positions="evicted", kl_tail="renormalize"), model, tok)  # fmt: skip
+    assert all(h["scorer_loss"] is None for h in s["history"])
+    assert s["trained_for"]["windows"] == {"24": 22}  # StreamingLLM at equal budget: window = B - sinks
+    bundle = load_adapter_bundle(tiny_model("llama"), tmp_path / "adapter")
+    assert bundle.scorer is None and bundle.meta["meta"]["mask"] == "streaming"
+    assert s["history"][-1]["val"]["24"]["retention"] > 0
+
+
+def test_resume_equals_uninterrupted_run(tmp_path, docs, scorer_path):
+    tok = tiny_tokenizer()
+    adapt(_cfg(tmp_path / "full", docs, scorer_path), tiny_model("llama"), tok)
+    adapt(_cfg(tmp_path / "part", docs, scorer_path, stop_after=2), tiny_model("llama"), tok)
+    s = adapt(_cfg(tmp_path / "part", docs, scorer_path), tiny_model("llama"), tok)
+    assert [h["step"] for h in s["history"]] == [1, 2, 3, 4]
+    a = load_adapter_bundle(tiny_model("llama"), tmp_path / "full" / "adapter")
+    b = load_adapter_bundle(tiny_model("llama"), tmp_path / "part" / "adapter")
+    for (n, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+    for (n, p), q in zip(a.scorer.state_dict().items(), b.scorer.state_dict().values(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("change,needle", [({"budgets": (28,)}, "budgets"), ({"lr": 3e-3}, "lr"),
+                                          ({"lora_r": 2}, "lora_r"), ({"window": 6}, "windows")])  # fmt: skip
+def test_resume_refuses_other_settings(tmp_path, docs, scorer_path, change, needle):
+    adapt(_cfg(tmp_path, docs, scorer_path, stop_after=2), tiny_model("llama"), tiny_tokenizer())
+    with pytest.raises(ValueError, match=f"other settings.*{needle}: checkpoint"):
+        adapt(_cfg(tmp_path, docs, scorer_path, **change), tiny_model("llama"), tiny_tokenizer())
+
+
+def test_bundle_loads_with_load_model(tmp_path, docs, scorer_path):
+    save_tiny_model(tmp_path / "base", seed=0)
+    cfg = _cfg(tmp_path / "run", docs, scorer_path, model=str(tmp_path / "base"), steps=2)
+    adapt(cfg)
+    base, _ = kvpop.load_model(tmp_path / "base", progress=False)
+    model, _ = kvpop.load_model(tmp_path / "base", adapter=tmp_path / "run" / "adapter", progress=False)
+    want = _logits(model, IDS)
+    assert (want - _logits(base, IDS)).abs().max() > 0  # the adapter moved the model
+    with teacher_mode(model):
+        assert torch.equal(_logits(model, IDS), _logits(base, IDS))  # adapter off: exactly the base model
+    scorer = model.kvpop_adapter.scorer
+    policy = LearnedPolicy(scorer)
+    cache = kvpop.make_cache(model, policy, budget=24, window=8, sinks=2)
+    out = model.generate(input_ids=IDS[:, :40], past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 44)
+    assert model.kvpop_adapter.meta["meta"]["trained_for"]["windows"] == {"24": 8}
+    save_tiny_model(tmp_path / "other", seed=3)
+    with pytest.raises(AdapterMismatchError):
+        kvpop.load_model(tmp_path / "other", adapter=tmp_path / "run" / "adapter", progress=False)
+
+
+def test_full_finetune_writes_a_model_folder(tmp_path, docs, scorer_path):
+    base, tok = tiny_model("llama"), tiny_tokenizer()
+    emb = base.get_input_embeddings().weight.clone()
+    adapt(_cfg(tmp_path, docs, scorer_path, full_finetune=True, steps=2, lr=1e-3), base, tok)
+    model, _ = kvpop.load_model(tmp_path / "adapter", progress=False)
+    assert torch.equal(model.get_input_embeddings().weight, emb)  # embeddings / head stay frozen
+    assert (_logits(model, IDS) - _logits(tiny_model("llama"), IDS)).abs().max() > 0
+    _, meta = load_scorer(tmp_path / "adapter" / "scorer.safetensors", model=model)
+    assert meta["steps"] == 2
+
+
+def test_ddp_two_processes_keep_identical_weights(tmp_path, docs, scorer_path):
+    model_dir = tmp_path / "model"
+    save_tiny_model(model_dir, "llama")
+    out = tmp_path / "ddp"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+        "-m", "kvpop.adapt", "--out", str(out), "--model", str(model_dir), "--scorer", str(scorer_path),
+        "--docs-from", str(docs), "--seq-len", "64", "--budget", "24", "--sinks", "2", "--lora-r", "4",
+        "--steps", "3", "--batch-size", "2", "--ckpt-every", "2", "--val-every", "3", "--val-docs", "1",
+        "--lr", "1e-2", "--check-sync", "--no-progress",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["tokens_seen"] == 3 * 2 * 64
+    assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "best").is_dir()
+
+
+# --------------------------------------------------------------------------------------------
+# configuration and the command line
+# --------------------------------------------------------------------------------------------
+
+
+def test_bad_config_fails_before_loading(tmp_path, docs, scorer_path):
+    def bad(needle, **kw):
+        with pytest.raises(ValueError, match=needle):
+            _cfg(tmp_path, docs, **kw).validate()
+
+    bad("needs a trained scorer")  # mask kvpop without --scorer
+    bad("uses no scorer", scorer=str(scorer_path), mask="streaming")
+    bad("mask must be", mask="tova")
+    with pytest.raises(FileNotFoundError):
+        _cfg(tmp_path, docs, scorer=str(tmp_path / "nope.safetensors")).validate()
+    bad("must exceed the budget", scorer=str(scorer_path), seq_len=24)
+    bad("smaller than sinks", scorer=str(scorer_path), budgets=(6,))
+    bad("no long-range slot", scorer=str(scorer_path), budgets=(10,))
+    bad("kl_tail", scorer=str(scorer_path), kl_tail="nope")
+    bad("kl_positions", scorer=str(scorer_path), kl_positions="nope")
+    bad("top_k", scorer=str(scorer_path), top_k=0)
+    bad("lr must be", scorer=str(scorer_path), lr=0.0)
+    bad("unknown corpus", scorer=str(scorer_path), docs_from=None, corpora=("nope",))
+    bad("lora_targets", scorer=str(scorer_path), lora_targets=())
+    if not torch.cuda.is_available():
+        bad("not available", scorer=str(scorer_path), device="cuda")
+    _cfg(tmp_path, docs, scorer=str(scorer_path)).validate()
+    _cfg(tmp_path, docs, mask="streaming").validate()
+
+
+def test_cli_validates_first(tmp_path, capsys, scorer_path):
+    from kvpop.cli import main as kvpop_main
+
+    assert kvpop_main(["adapt", "--out", str(tmp_path), "--budget", "512"]) == 2
+    assert "needs a trained scorer" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--mask", "streaming", "--budget", "8192"]) == 2
+    assert "must exceed the budget" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--mask", "nope"])
+
+
+def test_compare_adapted(tmp_path, docs, scorer_path):
+    tok = tiny_tokenizer()
+    adapt(_cfg(tmp_path / "kv", docs, scorer_path, steps=2), tiny_model("llama"), tok)
+    adapt(_cfg(tmp_path / "st", docs, mask="streaming", steps=2), tiny_model("llama"), tok)
+    base = tiny_model("llama")
+    ids = [torch.randint(3, 128, (64,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    res = compare_adapted(base, tmp_path / "kv" / "adapter", ids, streaming_bundle=tmp_path / "st" / "adapter")
+    rows = res["budgets"]["24"]
+    assert set(rows) == {"adapted kvpop", "adapted streaming", "base kvpop", "base streaming", "adapted dense",
+                         "streaming+ dense"}  # fmt: skip
+    assert all(0 < r["retention"] and r["n_tokens"] == 2 * 39 for r in rows.values())
+    assert res["settings"]["windows"] == {"24": 8} and res["settings"]["base_scorer"] == str(scorer_path)
+    assert not any("lora_" in n for n, _ in base.named_parameters())  # the caller's model is left alone
