@@ -451,6 +451,8 @@ class KVpopCache(Cache):
                 b = budget if compression is None else budget_of_compression(compression, reference_length)
                 if isinstance(b, int) and not isinstance(b, bool) and b >= 1:
                     window = pol.default_window(b)
+                    if window is not None and sinks + window >= b:  # does not fit this budget: the library default
+                        window = None
             if lam is None:
                 lam = pol.default_lam() or 0.0
             eviction = EvictionConfig.from_budget(
