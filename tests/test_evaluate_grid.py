@@ -218,6 +218,10 @@ def test_kill_and_rerun_skips_done_units(model, reference, tmp_path, monkeypatch
 
 def test_shards_cover_the_grid_and_merge(model, reference, tmp_path):
     same = tmp_path / "same"
+    plan = _run(model, _cfg(), same, shard="1/3", dry_run=True)
+    assert [s["shard"] for s in plan["shards"]] == ["1/3", "2/3", "3/3"] and not same.exists()
+    assert sum(s["units"] for s in plan["shards"]) == len(reference["units"])
+    assert all(s["done"] == 0 and s["cpu_hours_to_run"] > 0 for s in plan["shards"])
     parts = []
     for i in (1, 2, 3):
         parts.append(_run(model, _cfg(), same, shard=f"{i}/3"))
@@ -229,6 +233,8 @@ def test_shards_cover_the_grid_and_merge(model, reference, tmp_path):
             items[i].add(json.loads(line)["item_id"])
     assert all(items) and not (items[0] & items[1] or items[0] & items[2] or items[1] & items[2])
     final = parts[-1]  # the last process rebuilds results.json from every shard's records
+    plan = _run(model, _cfg(), same, shard="1/3", dry_run=True)
+    assert all(s["done"] == s["units"] and s["cpu_hours_to_run"] == 0 for s in plan["shards"])
     assert _strip(final["units"]) == _strip(reference["units"]) and _rows(final) == _rows(reference)
     merged = merge([tmp_path / f"sep{i}" for i in (1, 2, 3)], tmp_path / "merged", plots=False)
     assert _strip(merged["units"]) == _strip(reference["units"]) and _rows(merged) == _rows(reference)

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder (records of finished units are kept there)")
     p.add_argument("--shard", metavar="I/N", help="run the I-th of N parts (whole documents / cases, balanced)")
     p.add_argument("--max-minutes", type=float, help="stop starting new units after this long (rerun to continue)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run nothing: print the items, units (done / to run) and estimated CPU hours per shard "
+                   "(with --shard I/N: of all N shards)")  # fmt: skip
     p.add_argument("--merge", nargs="+", metavar="DIR",
                    help="combine the records of these output folders into --out (no model, nothing run)")
     p.add_argument(
@@ -172,11 +175,20 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer, cfg, documents=documents, filler=filler, out=args.out,
             progress=not args.no_progress, plots=not args.no_plots, shard=args.shard,
             time_limit_s=None if args.max_minutes is None else 60.0 * args.max_minutes, notes=notes,
+            dry_run=args.dry_run,
         )  # fmt: skip
     except PolicyUnavailable as exc:
         return _err(str(exc))
     except (StoreMismatch, ValueError) as exc:
         return _err(str(exc))
+    if args.dry_run:
+        for s in results["shards"]:
+            print(f"shard {s['shard']}: {s['items']} items {s['items_by_kind']}, {s['units']} units "
+                  f"({s['done']} done), ~{s['cpu_hours_to_run']:.2f} CPU hours to run "
+                  f"(~{s['cpu_hours_total']:.2f} in all; one thread, estimated)")  # fmt: skip
+        for n in results["notes"]:
+            print(f"note: {n}")
+        return 0
     print(table(results))
     last = results["sessions"][-1] if results.get("sessions") else {}
     left = last.get("units_remaining", 0)

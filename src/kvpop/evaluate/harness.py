@@ -292,12 +292,14 @@ def run_eval(
     max_units: int | None = None,
     time_limit_s: float | None = None,
     notes: list[str] | None = None,
+    dry_run: bool = False,
 ) -> dict:
     """Run (this shard of) the grid and return the results dict (also ``out/results.json`` + plots).
 
     Raises :class:`PolicyUnavailable` before any long work when a requested policy cannot be
     built, unless ``cfg.skip_unavailable`` (then it is listed in ``skipped_policies``).
     ``max_units`` / ``time_limit_s``: stop early (after the unit in progress); rerun to continue.
+    ``dry_run``: run nothing; return the plan (items, units, done, estimated CPU hours per shard).
     """
     from tqdm.auto import tqdm
 
@@ -315,12 +317,23 @@ def run_eval(
         raise PolicyUnavailable(unavailable_message(skipped))
     tag = "main" if shard is None else f"shard-{shard[0]}-of-{shard[1]}"
     fp = fingerprint(model, cfg)
-    store = RecordStore(out, fp, tag)
+    store = RecordStore(None if dry_run else out, fp, tag)
+    if dry_run and out is not None and (Path(out) / "run.json").exists():
+        _, done_units, _ = load_dirs([out])
+        store.records = {u["key"]: u for u in done_units}
 
     items = build_items(tokenizer, cfg, notes, documents, filler)
+    settings = Settings(
+        sinks=cfg.sinks, window=cfg.window, longdep_threshold=cfg.longdep_threshold,
+        continuation_tokens=cfg.cont_tokens(), agreement_tokens=cfg.agreement_tokens,
+        reference_length=cfg.reference_length, budgets=tuple(budgets), policy_kwargs=dict(cfg.policy_kwargs or {}),
+    )  # fmt: skip
     plan = [(it, units_of(it, policies, budgets)) for it in items]
+    costs = [item_cost(it, u, settings) for it, u in plan]
+    if dry_run:
+        return _dry_run(plan, costs, store, shard, policies, skipped, notes)
     if shard is not None:
-        owner = partition(items, [item_cost(it, u) for it, u in plan], shard[1])
+        owner = partition(items, costs, shard[1])
         plan = [pu for pu, s in zip(plan, owner) if s == shard[0] - 1]
     todo = []
     n_done = 0
@@ -340,11 +353,6 @@ def run_eval(
         where = "" if shard is None else f" (shard {shard[0]}/{shard[1]})"
         print(f"[kvpop eval] {len(plan)} items, {n_done + len(todo)} units{where}: {n_done} done before, "
               f"{len(todo)} to run", flush=True)  # fmt: skip
-    settings = Settings(
-        sinks=cfg.sinks, window=cfg.window, longdep_threshold=cfg.longdep_threshold,
-        continuation_tokens=cfg.cont_tokens(), agreement_tokens=cfg.agreement_tokens,
-        reference_length=cfg.reference_length, budgets=tuple(budgets), policy_kwargs=dict(cfg.policy_kwargs or {}),
-    )  # fmt: skip
     ran, stopped, interrupted = 0, None, True
     ctx = None
     bar = tqdm(todo, desc="kvpop eval", disable=not progress, dynamic_ncols=True)
@@ -395,6 +403,26 @@ def run_eval(
     if out is not None:
         write_results(results, out, plots=plots)
     return results
+
+
+def _dry_run(plan, costs, store, shard, policies, skipped, notes) -> dict:
+    """What a run would do: per shard, items, units (done / to run) and estimated CPU hours to run."""
+    n = shard[1] if shard is not None else 1
+    owner = partition([it for it, _ in plan], costs, n) if n > 1 else [0] * len(plan)
+    shards = []
+    for s in range(n):
+        mine = [(pu, c) for pu, c, o in zip(plan, costs, owner) if o == s]
+        units = sum(len(u) for (_, u), _ in mine)
+        done = sum(1 for (it, u), _ in mine for p, b in u if store.done(unit_key(it.id, p, b)))
+        todo_cost = sum(c * (1 - sum(1 for p, b in u if store.done(unit_key(it.id, p, b))) / max(1, len(u)))
+                        for (it, u), c in mine)  # fmt: skip
+        kinds: dict[str, int] = {}
+        for (it, _), _ in mine:
+            kinds[it.kind] = kinds.get(it.kind, 0) + 1
+        shards.append({"shard": f"{s + 1}/{n}", "items": len(mine), "items_by_kind": kinds, "units": units,
+                       "done": done, "cpu_hours_total": sum(c for _, c in mine) / 3600,
+                       "cpu_hours_to_run": todo_cost / 3600})  # fmt: skip
+    return {"dry_run": True, "policies": policies, "skipped_policies": skipped, "notes": notes, "shards": shards}
 
 
 def build_results(units: list[dict], sessions: list[dict], fp: dict, cfg: EvalConfig | None = None,
