@@ -30,6 +30,16 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> None:
+    """Write through a temporary file (processes sharing an output folder may finish together)."""
+    import os
+
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.png")
+    fig.savefig(tmp, dpi=90)
+    _plt().close(fig)
+    os.replace(tmp, path)
+
+
 def _colors(policies):
     plt = _plt()
     cmap = plt.get_cmap("tab10")
@@ -83,8 +93,7 @@ def _doc_plot(task, recs, out, colors, order):
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     path = out / f"{task}.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -101,8 +110,7 @@ def _simple_plot(task, recs, out, colors, order, name=None):
         ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / (name or f"{task}.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -126,8 +134,7 @@ def _multikey_plot(recs, out, colors, order):
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     path = out / "multikey.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -166,8 +173,7 @@ def _needle_heatmap(recs, out, order):
     fig.suptitle("passkey found (green) by prompt length x depth, per policy and compression", fontsize=9)
     fig.tight_layout()
     path = out / "needle_heatmap.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
