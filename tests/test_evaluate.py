@@ -11,6 +11,7 @@ from kvpop import EvictionConfig, KVpopCache
 from kvpop.evaluate import (
     DenseCache,
     EvalConfig,
+    PolicyUnavailable,
     Sums,
     make_policy,
     policy_available,
@@ -118,8 +119,9 @@ def test_unregistered_policy_is_reported():
 
 def _small_cfg(**kw):
     base = {
-        "tasks": ("lm", "continuation", "agreement", "needle"),
+        "tasks": ("lm", "continuation", "agreement", "needle", "multikey"),
         "policies": ("dense", "knorm", "streaming", "no-such-policy"),
+        "skip_unavailable": True,
         "compressions": (0.5, 0.75),
         "reference_length": 64,
         "docs": 1,
@@ -127,6 +129,9 @@ def _small_cfg(**kw):
         "agreement_tokens": 6,
         "needle_lengths": (220,),
         "needle_depths": (0.5,),
+        "multikey_lengths": (300,),
+        "multikey_cases": 2,
+        "bootstrap": 200,
     }
     base.update(kw)
     return EvalConfig(**base)
@@ -137,7 +142,7 @@ def test_run_eval_schema_and_plots(tmp_path):
     docs = {"mine": [_ids(64, seed=2), _ids(64, seed=3)]}
     res = run_eval(model, tok, _small_cfg(), documents=docs, filler=TEXT * 20, out=tmp_path, progress=False)
     data = json.loads((tmp_path / "results.json").read_text())
-    assert data["schema_version"] == 1 and data["policies"] == ["dense", "knorm", "streaming"]
+    assert data["schema_version"] == 2 and data["policies"] == ["dense", "streaming", "knorm"]
     assert "no-such-policy" in data["skipped_policies"]
     recs = data["records"]
     for r in recs:
@@ -164,15 +169,24 @@ def test_run_eval_schema_and_plots(tmp_path):
                 0.0
             )
         assert r["metrics"]["n_tokens"] == 2 * (63 - r["budget"])
+        assert r["longdep"]["n_tokens"] <= r["metrics"]["n_tokens"] and "ci" in r and "per_item" in r
+        assert r["window"] == (None if r["policy"] == "dense" else r["budget"] - 4 if r["policy"] == "streaming"
+                               else r["budget"] // 8)  # each policy's own default window, recorded
     cont = [r for r in recs if r["task"] == "continuation"]
-    assert cont and all(r["metrics"]["n_tokens"] == 2 * 4 for r in cont)  # 48 context + 4 continuation
+    assert cont and all(r["metrics"]["n_tokens"] == 2 * 4 for r in cont)  # the last 64 // 16 = 4 predictions
     agr = [r for r in recs if r["task"] == "agreement"]
     assert all(0.0 <= r["metrics"]["match_rate"] <= 1.0 for r in agr)
     assert [r["metrics"]["match_rate"] for r in agr if r["policy"] == "dense"] == [1.0]
     needle = [r for r in recs if r["task"] == "needle"]
     assert needle and all(len(r["cases"]) == 1 and "answer" in r["cases"][0] for r in needle)
-    for task in ("lm", "continuation", "agreement", "needle"):
-        assert (tmp_path / f"{task}.png").stat().st_size > 1000
+    mk = [r for r in recs if r["task"] == "multikey"]
+    assert {(r["policy"], r["budget"]) for r in mk} == {("dense", None)} | {
+        (p, b) for p in ("knorm", "streaming") for b in (32, 16)
+    }
+    assert all(r["metrics"]["n_cases"] == 2 and set(r["by_length"]) == {"300"} for r in mk)
+    for name in ("lm", "continuation", "agreement", "needle", "needle_heatmap", "multikey", "multikey_vs_compression"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000, name
+    assert (tmp_path / "table.md").read_text().startswith("# kvpop eval")
     assert res["records"] == recs
 
 
@@ -190,7 +204,7 @@ def test_run_eval_on_fixture_corpora(tmp_path):
         corpus_root=roots,
     )
     res = run_eval(model, tok, cfg, progress=False, plots=False, out=tmp_path)
-    assert json.loads((tmp_path / "results.json").read_text())["config"]["corpus_root"][
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["selection"]["corpus_root"][
         "paul_graham"
     ].endswith("paul_graham")
     doms = {(r["domain"], tuple(r["corpora"])) for r in res["records"]} | {("note", n) for n in res["notes"]}
@@ -206,31 +220,46 @@ def test_cli_on_saved_tiny_model(tmp_path, capsys):
     (docs / "a.txt").write_text(TEXT * 3)
     (docs / "b.txt").write_text(TEXT[::-1] * 3)
     out = tmp_path / "out"
-    rc = main(["--model", str(tmp_path / "model"), "--docs-from", str(docs), "--out", str(out), "--quick",
-               "--doc-tokens", "64", "--policies", "dense", "knorm", "no-such-policy", "--no-progress"])  # fmt: skip
+    args = ["--model", str(tmp_path / "model"), "--docs-from", str(docs), "--out", str(out), "--quick",
+            "--doc-tokens", "64", "--policies", "dense", "knorm", "no-such-policy", "--no-progress"]  # fmt: skip
+    assert main(args) == 2  # an unavailable policy is an error ...
+    err = capsys.readouterr().err
+    assert "no-such-policy" in err and "--skip-unavailable" in err
+    assert not (out / "run.json").exists()  # ... found before any work
+    rc = main([*args, "--skip-unavailable"])  # ... unless asked to skip it
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     assert {r["policy"] for r in data["records"]} == {"dense", "knorm"}
-    assert all(r["task"] == "lm" and r["domain"] == "user" and r["budget"] == 8 for r in data["records"])
+    assert "no-such-policy" in data["skipped_policies"]
+    assert all(r["task"] in ("lm", "continuation") and r["domain"] == "user" and r["budget"] == 8
+               for r in data["records"])  # fmt: skip
     assert (out / "lm.png").exists()
     printed = capsys.readouterr().out
-    assert "knorm" in printed and "results.json" in printed
+    assert "knorm" in printed and "results.json" in printed and "skipped policies: no-such-policy" in printed
     assert main(["--out", str(out), "--compression", "1.5"]) == 2
     assert main(["--out", str(out), "--compression", "0"]) == 2  # no eviction is policy dense, not compression 0
 
 
-def test_missing_learned_scorer_is_skipped(tmp_path):
+def test_missing_learned_scorer_is_an_error_unless_skipped(tmp_path):
     model = tiny_model("llama")
-    cfg = _small_cfg(tasks=("lm",), policies=("dense", "kvpop-mlp"), compressions=(0.75,),
-                     policy_kwargs={"kvpop-mlp": {"path": str(tmp_path / "missing.safetensors")}})  # fmt: skip
-    res = run_eval(model, tiny_tokenizer(), cfg, documents={"x": [_ids(64)]}, progress=False, plots=False)
+    kw = {"tasks": ("lm",), "policies": ("dense", "kvpop-mlp"), "compressions": (0.75,),
+          "policy_kwargs": {"kvpop-mlp": {"path": str(tmp_path / "missing.safetensors")}}}  # fmt: skip
+    with pytest.raises(PolicyUnavailable, match="kvpop-mlp"):
+        run_eval(model, tiny_tokenizer(), _small_cfg(**kw, skip_unavailable=False), documents={"x": [_ids(64)]},
+                 progress=False, plots=False)  # fmt: skip
+    res = run_eval(model, tiny_tokenizer(), _small_cfg(**kw), documents={"x": [_ids(64)]}, progress=False, plots=False)
     assert "kvpop-mlp" in res["skipped_policies"] and res["policies"] == ["dense"]
     assert {r["policy"] for r in res["records"]} == {"dense"}
 
 
 def test_eval_checks_the_shipped_scorer_against_the_model():
-    """kvpop eval builds learned policies with the model at hand: a scorer for another model is skipped, with why."""
-    cfg = _small_cfg(tasks=("lm",), policies=("dense", "kvpop"), compressions=(0.75,))
-    res = run_eval(tiny_model("llama"), tiny_tokenizer(), cfg, documents={"x": [_ids(64)]}, progress=False, plots=False)
+    """kvpop eval builds learned policies with the model at hand: a scorer for another model is an error
+    (or, with skip_unavailable, skipped), with why."""
+    kw = {"tasks": ("lm",), "policies": ("dense", "kvpop"), "compressions": (0.75,)}
+    with pytest.raises(PolicyUnavailable, match="different model"):
+        run_eval(tiny_model("llama"), tiny_tokenizer(), _small_cfg(**kw, skip_unavailable=False),
+                 documents={"x": [_ids(64)]}, progress=False, plots=False)  # fmt: skip
+    res = run_eval(tiny_model("llama"), tiny_tokenizer(), _small_cfg(**kw), documents={"x": [_ids(64)]},
+                   progress=False, plots=False)  # fmt: skip
     assert res["policies"] == ["dense"]
     assert "different model" in res["skipped_policies"]["kvpop"]

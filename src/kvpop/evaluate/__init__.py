@@ -1,4 +1,5 @@
-"""Evaluation of KV-cache policies: teacher-forced LM metrics, continuation, needle, agreement.
+"""Evaluation of KV-cache policies: teacher-forced LM metrics (all tokens and long-dependency
+tokens), continuation, needle, multi-key recall, agreement; resumable and splittable runs.
 
 Python API::
 
@@ -22,11 +23,33 @@ from .core import (
     sums_from_logits,
     teacher_forced,
 )
-from .harness import IN_DOMAIN, EvalConfig, quick_config, run_eval, table, write_results
-from .tasks import TASKS, agreement_doc, continuation_doc, greedy, lm_doc, needle_case, needle_cases
+from .harness import (
+    IN_DOMAIN,
+    EvalConfig,
+    build_results,
+    check_policies,
+    merge,
+    quick_config,
+    run_eval,
+    table,
+    write_results,
+)
+from .stats import aggregate, bootstrap_mean, bootstrap_pooled
+from .tasks import (
+    DEFAULT_TASKS,
+    TASKS,
+    agreement_doc,
+    continuation_doc,
+    greedy,
+    lm_doc,
+    multikey_cases,
+    needle_case,
+    needle_cases,
+)
 
 __all__ = [
     "ALL_POLICIES",
+    "DEFAULT_TASKS",
     "DENSE",
     "IN_DOMAIN",
     "TASKS",
@@ -34,11 +57,18 @@ __all__ = [
     "EvalConfig",
     "PolicyUnavailable",
     "Sums",
+    "aggregate",
     "agreement_doc",
+    "bootstrap_mean",
+    "bootstrap_pooled",
+    "build_results",
+    "check_policies",
     "continuation_doc",
     "greedy",
     "lm_doc",
     "make_policy",
+    "merge",
+    "multikey_cases",
     "needle_case",
     "needle_cases",
     "policy_available",

@@ -1,4 +1,9 @@
-"""``kvpop eval``: run the evaluation grid and write ``results.json`` + PNG plots to ``--out``."""
+"""``kvpop eval``: run the evaluation grid and write ``results.json`` + PNG plots + ``table.md`` to ``--out``.
+
+Resumable: every finished unit is appended to ``OUT/records/``; rerunning the same command skips
+what is done. ``--shard I/N`` runs one of N deterministic parts (processes may share ``--out``);
+``--merge DIR... --out OUT`` combines folders without running anything.
+"""
 
 from __future__ import annotations
 
@@ -6,42 +11,51 @@ import argparse
 import sys
 import time
 
-from .core import ALL_POLICIES
-from .harness import EvalConfig, quick_config, run_eval, table, user_documents
-from .tasks import TASKS
+from .core import ALL_POLICIES, PolicyUnavailable
+from .harness import EvalConfig, merge, quick_config, run_eval, table, user_documents
+from .store import StoreMismatch
+from .tasks import DEFAULT_TASKS, TASKS, TEXT_TASKS
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvpop eval",
-        description="Evaluate KV-cache policies at equal budget: teacher-forced LM (retention, KL, top-1), "
-        "continuation, passkey needle, greedy agreement. Writes OUT/results.json and OUT/<task>.png.",
+        description="Evaluate KV-cache policies at equal budget: teacher-forced LM over all tokens and over "
+        "long-dependency tokens (retention, KL, top-1, 95%% bootstrap intervals over documents, per-document "
+        "wins/losses against StreamingLLM), continuation, passkey needle (lengths x depths), multi-key recall, "
+        "greedy agreement. Writes OUT/results.json, OUT/table.md and OUT/<task>.png. Resumable (rerun the same "
+        "command) and splittable (--shard I/N, --merge).",
     )
-    p.add_argument(
-        "--task", "--tasks", dest="tasks", nargs="+", choices=TASKS, help=f"default: all ({', '.join(TASKS)})"
-    )
-    p.add_argument(
-        "--policies", nargs="+", help=f"default: {' '.join(ALL_POLICIES)} (unregistered ones are skipped)"
-    )
-    p.add_argument(
-        "--compression",
-        nargs="+",
-        type=float,
-        help="compression ratios of --reference-length (default 0.75 0.875 0.9375)",
-    )
+    p.add_argument("--task", "--tasks", dest="tasks", nargs="+", choices=TASKS,
+                   help=f"default: {' '.join(DEFAULT_TASKS)} (lm includes the long-dependency tokens; continuation "
+                   "shares lm's forward)")  # fmt: skip
+    p.add_argument("--policies", nargs="+",
+                   help=f"default: {' '.join(ALL_POLICIES)}; one that cannot be built is an error unless "
+                   "--skip-unavailable")  # fmt: skip
+    p.add_argument("--skip-unavailable", action="store_true",
+                   help="run the available policies and list the others as skipped (default: exit with an error)")
+    p.add_argument("--compression", nargs="+", type=float,
+                   help="compression ratios of --reference-length (default 0.75 0.875 0.9375)")  # fmt: skip
     p.add_argument("--reference-length", type=int, help="L in B = (1 - compression) L (default 4096)")
-    p.add_argument("--sinks", type=int, help="sink tokens (default 4); window = B // 8")
+    p.add_argument("--sinks", type=int, help="sink tokens (default 4)")
+    p.add_argument("--window", type=int,
+                   help="protected window for every policy (default: each policy's own, B // 8; StreamingLLM: B - sinks)")
     p.add_argument("--docs", type=int, help="documents per corpus / user source (default 2)")
     p.add_argument("--doc-tokens", type=int, help="tokens per LM document (default 4096)")
-    p.add_argument("--corpora", nargs="+", help="built-in corpora (default: all)")
-    p.add_argument(
-        "--docs-from", help="a folder of .txt files or a .jsonl with 'text': evaluate on these instead"
-    )
-    p.add_argument(
-        "--needle-lengths", nargs="+", type=int, help="needle prompt lengths (default 2048 4096 8000)"
-    )
+    p.add_argument("--continuation-tokens", type=int, help="continuation = the last N predictions (default doc/16)")
+    p.add_argument("--longdep-threshold", type=float,
+                   help="nats by which the full context must beat the window-only run (default 0.5)")
+    p.add_argument("--corpora", nargs="+", help="built-in corpora (default: the six evaluation corpora)")
+    p.add_argument("--docs-from", help="a folder of .txt files or a .jsonl with 'text': evaluate on these instead "
+                   "(lm, long-dependency tokens and continuation by default)")  # fmt: skip
+    p.add_argument("--needle-lengths", nargs="+", type=int, help="needle prompt lengths (default 2048 4096 8000)")
     p.add_argument("--needle-depths", nargs="+", type=float, help="needle depths (default 0.1 0.5 0.9)")
+    p.add_argument("--multikey-lengths", nargs="+", type=int, help="multi-key prompt lengths (default 2048 4096 8000)")
+    p.add_argument("--multikey-cases", type=int, help="multi-key cases per length (default 2)")
+    p.add_argument("--multikey-keys", type=int, help="facts per multi-key case (default 4)")
     p.add_argument("--agreement-tokens", type=int, help="greedy tokens for the agreement task (default 256)")
+    p.add_argument("--seed", type=int, help="seed of the needle / multi-key cases (default 0)")
+    p.add_argument("--bootstrap", type=int, help="bootstrap resamples for the intervals (default 2000)")
     p.add_argument(
         "--scorer",
         action="append",
@@ -50,11 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
         "read from the file, decides whether it is policy kvpop (mlstm) or kvpop-mlp (mlp)",
     )
     p.add_argument("--model", help="model folder / .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", required=True, help="output folder (records of finished units are kept there)")
+    p.add_argument("--shard", metavar="I/N", help="run the I-th of N parts (whole documents / cases, balanced)")
+    p.add_argument("--max-minutes", type=float, help="stop starting new units after this long (rerun to continue)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run nothing: print the items, units (done / to run) and estimated CPU hours per shard "
+                   "(with --shard I/N: of all N shards)")  # fmt: skip
+    p.add_argument("--merge", nargs="+", metavar="DIR",
+                   help="combine the records of these output folders into --out (no model, nothing run)")
     p.add_argument(
         "--quick",
         action="store_true",
-        help="preset: lm only, 1 doc/corpus of 1024 tokens, compression 0.875 of 1024, a few policies",
+        help="preset: lm (+ continuation), 1 doc/corpus of 1024 tokens, compression 0.875 of 1024, 7 policies",
     )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true")
@@ -65,13 +86,18 @@ def config_from_args(args) -> EvalConfig:
     over = {}
     for name, key in [
         ("tasks", "tasks"), ("policies", "policies"), ("compression", "compressions"),
-        ("reference_length", "reference_length"), ("sinks", "sinks"), ("docs", "docs"),
-        ("doc_tokens", "doc_tokens"), ("corpora", "corpora"), ("needle_lengths", "needle_lengths"),
-        ("needle_depths", "needle_depths"), ("agreement_tokens", "agreement_tokens"),
+        ("reference_length", "reference_length"), ("sinks", "sinks"), ("window", "window"), ("docs", "docs"),
+        ("doc_tokens", "doc_tokens"), ("continuation_tokens", "continuation_tokens"),
+        ("longdep_threshold", "longdep_threshold"), ("corpora", "corpora"), ("needle_lengths", "needle_lengths"),
+        ("needle_depths", "needle_depths"), ("multikey_lengths", "multikey_lengths"),
+        ("multikey_cases", "multikey_cases"), ("multikey_keys", "multikey_keys"),
+        ("agreement_tokens", "agreement_tokens"), ("seed", "seed"), ("bootstrap", "bootstrap"),
     ]:  # fmt: skip
-        v = getattr(args, name)
+        v = getattr(args, name, None)
         if v is not None:
             over[key] = tuple(v) if isinstance(v, list) else v
+    if getattr(args, "skip_unavailable", False):
+        over["skip_unavailable"] = True
     if args.scorer:
         from ..cli import policy_for_scorer
 
@@ -82,6 +108,8 @@ def config_from_args(args) -> EvalConfig:
                 raise ValueError(f"two --scorer checkpoints of policy {name}: {kw[name]['path']} and {path}")
             kw[name] = {"path": path}
         over["policy_kwargs"] = kw
+    if getattr(args, "docs_from", None) and "tasks" not in over:
+        over["tasks"] = ("lm", "continuation")
     if args.quick:
         if "doc_tokens" in over and "reference_length" not in over:
             over["reference_length"] = over["doc_tokens"]  # compression of the document length
@@ -89,38 +117,84 @@ def config_from_args(args) -> EvalConfig:
     return EvalConfig(**over)
 
 
+def _err(msg: str) -> int:
+    print(f"kvpop eval: error: {msg}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    t0 = time.perf_counter()
+    if args.merge:
+        try:
+            results = merge(args.merge, args.out, plots=not args.no_plots)
+        except (FileNotFoundError, StoreMismatch, ValueError) as exc:
+            return _err(str(exc))
+        print(table(results))
+        print(f"merged {len(args.merge)} folder(s): {len(results['units'])} units -> {args.out}/results.json, "
+              f"{args.out}/table.md")  # fmt: skip
+        return 0
     try:
         cfg = config_from_args(args)
         cfg.budgets()  # validate before loading anything
+        if args.shard:
+            from .harness import _parse_shard
+
+            _parse_shard(args.shard)
     except (TypeError, ValueError, OSError) as exc:
-        print(f"kvpop eval: error: {exc}", file=sys.stderr)
-        return 2
+        return _err(str(exc))
     from ..cli import load_model_quietly
 
-    t0 = time.perf_counter()
     model, tokenizer = load_model_quietly(args.model)
     documents = filler = None
+    notes: list[str] = []
     if args.docs_from:
         try:
-            ids, filler = user_documents(tokenizer, args.docs_from, cfg)
+            ids, user_text = user_documents(tokenizer, args.docs_from, cfg)
         except (FileNotFoundError, ValueError) as exc:
-            print(f"kvpop eval: error: {exc}", file=sys.stderr)
-            return 2
-        if not ids and set(cfg.tasks) - {"needle"}:
-            print(f"kvpop eval: error: no document of {cfg.doc_tokens} tokens in {args.docs_from} "
-                  "(lower --doc-tokens)", file=sys.stderr)  # fmt: skip
-            return 2
+            return _err(str(exc))
+        text_tasks = [t for t in cfg.tasks if t in TEXT_TASKS]
+        if text_tasks and not ids:
+            return _err(f"no document of {cfg.doc_tokens} tokens in {args.docs_from} (lower --doc-tokens)")
         documents = {"user": ids}
-    results = run_eval(
-        model, tokenizer, cfg, documents=documents, filler=filler, out=args.out,
-        progress=not args.no_progress, plots=not args.no_plots,
-    )  # fmt: skip
+        notes.append(f"--docs-from {args.docs_from}: {', '.join(text_tasks) or 'no text task'} on {len(ids)} "
+                     f"document(s) of {cfg.doc_tokens} tokens (lm includes the long-dependency tokens)")  # fmt: skip
+        synthetic = [t for t in ("needle", "multikey") if t in cfg.tasks]
+        if synthetic:
+            filler = user_text
+            notes.append(f"{' and '.join(synthetic)}: synthetic retrieval cases built with YOUR text as filler")
+        else:
+            notes.append("needle and multi-key recall are synthetic retrieval tasks, not run on your text "
+                         "(ask with --task needle multikey to use your text as their filler)")  # fmt: skip
+        if "agreement" not in cfg.tasks:
+            notes.append("greedy agreement with dense not run (ask with --task agreement)")
+        for n in notes:
+            print(f"[kvpop eval] {n}", flush=True)
+    try:
+        results = run_eval(
+            model, tokenizer, cfg, documents=documents, filler=filler, out=args.out,
+            progress=not args.no_progress, plots=not args.no_plots, shard=args.shard,
+            time_limit_s=None if args.max_minutes is None else 60.0 * args.max_minutes, notes=notes,
+            dry_run=args.dry_run,
+        )  # fmt: skip
+    except PolicyUnavailable as exc:
+        return _err(str(exc))
+    except (StoreMismatch, ValueError) as exc:
+        return _err(str(exc))
+    if args.dry_run:
+        for s in results["shards"]:
+            print(f"shard {s['shard']}: {s['items']} items {s['items_by_kind']}, {s['units']} units "
+                  f"({s['done']} done), ~{s['cpu_hours_to_run']:.2f} CPU hours to run "
+                  f"(~{s['cpu_hours_total']:.2f} in all; one thread, estimated)")  # fmt: skip
+        for n in results["notes"]:
+            print(f"note: {n}")
+        return 0
     print(table(results))
-    print(
-        f"wrote {args.out}/results.json ({len(results['records'])} records) in {time.perf_counter() - t0:.1f}s"
-    )
+    last = results["sessions"][-1] if results.get("sessions") else {}
+    left = last.get("units_remaining", 0)
+    print(f"wrote {args.out}/results.json ({len(results['units'])} units, {len(results['records'])} rows) and "
+          f"{args.out}/table.md in {time.perf_counter() - t0:.1f}s"
+          + (f"; {left} units of this run remain: rerun the same command to continue" if left else ""))  # fmt: skip
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The evaluation grid: tasks x policies x budgets x domains -> ``results.json`` (+ plots).
+"""The evaluation grid: tasks x policies x budgets x domains -> ``results.json`` (+ plots, table).
 
 From Python::
 
@@ -9,13 +9,21 @@ From Python::
 ``documents`` (token ids per named source) replaces the built-in corpora; every such source is
 in domain ``"user"``. Without it, the test splits of the named corpora are used, in domain
 ``"in_domain"`` (:data:`IN_DOMAIN`, the corpora the shipped scorer trained on) or
-``"out_of_domain"``.
+``"out_of_domain"``. Needle and multi-key cases use Paul Graham essays as filler (``filler=``
+another text: domain ``"user"``).
+
+With ``out`` the run is resumable and splittable (:mod:`kvpop.evaluate.store`): every finished
+unit (item, policy, budget) is appended to ``out/records/<tag>.jsonl``; a rerun skips the units
+already there; ``shard=(i, n)`` runs the i-th of n deterministic parts (whole items, balanced by
+cost); :func:`merge` combines folders. ``results.json`` is always rebuilt from all the records.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import math
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -25,8 +33,11 @@ import torch
 from torch import Tensor
 
 from ..config import EvictionConfig
-from .core import ALL_POLICIES, DENSE, DenseCache, PolicyUnavailable, Sums, policy_available
-from .tasks import TASKS, agreement_doc, continuation_doc, lm_doc, needle_case, needle_cases
+from .core import ALL_POLICIES, DENSE, ORACLE, PolicyUnavailable, build_cache, policy_available
+from .grid import Item, ItemContext, Settings, item_cost, partition, units_of
+from .stats import aggregate
+from .store import RecordStore, load_dirs, unit_key
+from .tasks import DEFAULT_TASKS, TASKS, TEXT_TASKS, multikey_cases, needle_cases
 
 
 def _shipped_training_corpora() -> tuple[str, ...]:
@@ -44,53 +55,57 @@ def _shipped_training_corpora() -> tuple[str, ...]:
 
 
 IN_DOMAIN = _shipped_training_corpora()
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass
 class EvalConfig:
-    tasks: tuple[str, ...] = TASKS
+    tasks: tuple[str, ...] = DEFAULT_TASKS
     policies: tuple[str, ...] = ALL_POLICIES
     compressions: tuple[float, ...] = (0.75, 0.875, 0.9375)
     reference_length: int = 4096
     sinks: int = 4
+    window: int | None = None  # None: each policy's own default (make_cache), recorded per unit
     docs: int = 2  # documents per corpus (or per user source)
-    doc_tokens: int = 4096  # lm documents; continuation/agreement prompts are cut from them
-    continuation_context: int | None = None  # default 3/4 of doc_tokens (3072)
+    doc_tokens: int = 4096  # lm documents; continuation = their last continuation_tokens predictions
     continuation_tokens: int | None = None  # default doc_tokens / 16 (256)
+    longdep_threshold: float = 0.5  # nats: full context beats the window-only run by more -> long-dependency token
     agreement_tokens: int = 256
-    agreement_prompt: int | None = None  # default doc_tokens - agreement_tokens
     needle_lengths: tuple[int, ...] = (2048, 4096, 8000)
     needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    multikey_lengths: tuple[int, ...] = (2048, 4096, 8000)
+    multikey_cases: int = 2  # cases per length
+    multikey_keys: int = 4  # facts per case
     corpora: tuple[str, ...] | None = None  # default: the six evaluation corpora (kvpop.data.EVALUATION_CORPORA)
     corpus_root: dict | None = None  # corpus name -> root folder (tests, custom installs)
     seed: int = 0
     policy_kwargs: dict | None = (
         None  # policy name -> factory kwargs, e.g. {"kvpop": {"path": "scorer.safetensors"}}
     )
+    skip_unavailable: bool = False  # False: a requested policy that cannot be built is an error
+    bootstrap: int = 2000  # resamples for the 95% intervals
 
     def budgets(self) -> list[EvictionConfig]:
         """One resolved budget per compression (``EvictionConfig.from_budget``: the one resolver)."""
         return [
-            EvictionConfig.from_budget(compression=c, reference_length=self.reference_length, sinks=self.sinks)
+            EvictionConfig.from_budget(
+                compression=c, reference_length=self.reference_length, sinks=self.sinks, window=self.window
+            )
             for c in self.compressions
         ]
-
-    def context(self) -> int:
-        return self.continuation_context or (3 * self.doc_tokens) // 4
 
     def cont_tokens(self) -> int:
         return self.continuation_tokens or max(1, self.doc_tokens // 16)
 
     def prompt_tokens(self) -> int:
-        return self.agreement_prompt or max(1, self.doc_tokens - self.agreement_tokens)
+        return max(1, self.doc_tokens - self.agreement_tokens)
 
 
 def quick_config(**overrides) -> EvalConfig:
-    """A preset that finishes in minutes on a laptop CPU: lm only, 1 doc per corpus of 1024 tokens,
-    compression 0.875 of the document length (B = 128), a few policies."""
+    """A preset that finishes in minutes on a laptop CPU: lm (+ its continuation slice), 1 doc per
+    corpus of 1024 tokens, compression 0.875 of the document length (B = 128), a few policies."""
     cfg = {
-        "tasks": ("lm",),
+        "tasks": ("lm", "continuation"),
         "policies": ("dense", "streaming", "tova", "knorm", "oracle", "kvpop-mlp", "kvpop"),
         "compressions": (0.875,),
         "reference_length": 1024,
@@ -123,12 +138,14 @@ def corpus_documents(tokenizer, cfg: EvalConfig, notes: list[str]) -> list[tuple
         if not docs:
             notes.append(f"corpus {name!r} skipped: no test document of {cfg.doc_tokens} tokens")
             continue
+        if len(docs) < cfg.docs:
+            notes.append(f"corpus {name!r}: only {len(docs)} test document(s) of {cfg.doc_tokens} tokens")
         out.append((_domain(name), name, docs))
     return out
 
 
 def user_documents(tokenizer, path, cfg: EvalConfig) -> tuple[list[Tensor], str]:
-    """Token ids of the user's documents (folder of .txt or .jsonl), and their joined text (needle filler)."""
+    """Token ids of the user's documents (folder of .txt or .jsonl), and their joined text (filler)."""
     from ..data import long_documents, read_user_documents
 
     docs = read_user_documents(path)
@@ -139,7 +156,7 @@ def user_documents(tokenizer, path, cfg: EvalConfig) -> tuple[list[Tensor], str]
 
 
 def default_filler(cfg: EvalConfig) -> str:
-    """Paul Graham essays (test split first, then the others) as needle filler."""
+    """Paul Graham essays (test split first, then the others) as needle / multi-key filler."""
     from ..data import load_documents
 
     root = (cfg.corpus_root or {}).get("paul_graham")
@@ -149,23 +166,115 @@ def default_filler(cfg: EvalConfig) -> str:
     return "\n\n".join(texts)
 
 
-# ------------------------------------------------------------------------------ the grid
+# ------------------------------------------------------------------------------ policies
 
 
-def _clean(x):
-    if isinstance(x, float) and not math.isfinite(x):
+def check_policies(model, cfg: EvalConfig) -> tuple[list[str], dict[str, str]]:
+    """(available, {unavailable: reason}): each requested policy is built once for ``model`` at the
+    first budget (a learned scorer checks it was trained for this model), before any long work."""
+    budget = cfg.budgets()[0].budget
+    ok, bad = [], {}
+    for p in dict.fromkeys(cfg.policies):
+        reason = policy_available(p)
+        if reason is None and p not in (DENSE, ORACLE):
+            try:
+                build_cache(model, p, budget, sinks=cfg.sinks, window=cfg.window,
+                            **dict((cfg.policy_kwargs or {}).get(p, {})))  # fmt: skip
+            except PolicyUnavailable as exc:
+                reason = str(exc)
+        if reason is None:
+            ok.append(p)
+        else:
+            bad[p] = reason
+    return ok, bad
+
+
+def unavailable_message(bad: dict[str, str]) -> str:
+    lines = [f"{len(bad)} requested polic{'y is' if len(bad) == 1 else 'ies are'} unavailable:"]
+    lines += [f"  {p}: {r}" for p, r in bad.items()]
+    lines.append("pass --skip-unavailable to run the others (skip_unavailable=True), or drop them from --policies")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ items
+
+
+def build_items(tokenizer, cfg: EvalConfig, notes: list[str], documents=None, filler=None) -> list[Item]:
+    items: list[Item] = []
+    tasks = set(cfg.tasks)
+    if tasks & set(TEXT_TASKS):
+        if documents is not None:
+            sources = [("user", name, [d.view(-1).cpu() for d in ds]) for name, ds in documents.items()]
+        else:
+            sources = corpus_documents(tokenizer, cfg, notes)
+        for dom, corpus, docs in sources:
+            for i, d in enumerate(docs):
+                if tasks & {"lm", "continuation"}:
+                    items.append(Item("doc", corpus, dom, str(i), d))
+                if "agreement" in tasks:
+                    items.append(Item("agreement", corpus, dom, str(i), d[: cfg.prompt_tokens()]))
+    if tasks & {"needle", "multikey"}:
+        dom = "user" if filler is not None else "synthetic"
+        src = "user_text" if filler is not None else "paul_graham"
+        try:
+            text = filler if filler is not None else default_filler(cfg)
+        except (FileNotFoundError, ValueError) as exc:
+            notes.append(f"needle / multikey skipped: no filler text ({exc})")
+            text = None
+        if text is not None and "needle" in tasks:
+            try:
+                for c in needle_cases(tokenizer, text, cfg.needle_lengths, cfg.needle_depths, cfg.seed):
+                    items.append(Item("needle", src, dom, c.case_id, c.ids, case=c))
+            except ValueError as exc:
+                notes.append(f"needle skipped: {exc}")
+        if text is not None and "multikey" in tasks:
+            try:
+                for c in multikey_cases(tokenizer, text, cfg.multikey_lengths, cfg.multikey_cases,
+                                        cfg.multikey_keys, cfg.seed):  # fmt: skip
+                    items.append(Item("multikey", src, dom, c.case_id, c.ids, case=c))
+            except ValueError as exc:
+                notes.append(f"multikey skipped: {exc}")
+    return items
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def _model_name(model) -> str:
+    return str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
+
+
+def fingerprint(model, cfg: EvalConfig) -> dict:
+    """What every unit record depends on besides its item, policy and budget."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": _model_name(model),
+        "reference_length": cfg.reference_length,
+        "sinks": cfg.sinks,
+        "window": cfg.window,
+        "doc_tokens": cfg.doc_tokens,
+        "continuation_tokens": cfg.cont_tokens(),
+        "longdep_threshold": cfg.longdep_threshold,
+        "agreement_tokens": cfg.agreement_tokens,
+        "multikey_keys": cfg.multikey_keys,
+        "seed": cfg.seed,
+        "policy_kwargs": {k: {a: str(b) for a, b in v.items()} for k, v in sorted((cfg.policy_kwargs or {}).items())},
+    }
+
+
+def _parse_shard(shard) -> tuple[int, int] | None:
+    if shard is None:
         return None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items() if not k.startswith("_")}
-    if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
-    return x
-
-
-def _budget_fields(b: EvictionConfig | None, compression: dict) -> dict:
-    if b is None:
-        return {"budget": None, "window": None, "sinks": None, "compression": 0.0}
-    return {"budget": b.budget, "window": b.window, "sinks": b.sinks, "compression": compression[b]}
+    if isinstance(shard, str):
+        try:
+            i, n = (int(x) for x in shard.split("/"))
+        except ValueError:
+            raise ValueError(f"shard must look like I/N (e.g. 1/2), got {shard!r}") from None
+    else:
+        i, n = shard
+    if not 1 <= i <= n:
+        raise ValueError(f"shard {i}/{n}: need 1 <= I <= N")
+    return i, n
 
 
 @torch.no_grad()
@@ -179,171 +288,227 @@ def run_eval(
     out: str | Path | None = None,
     progress: bool = True,
     plots: bool = True,
+    shard: tuple[int, int] | str | None = None,
+    max_units: int | None = None,
+    time_limit_s: float | None = None,
+    notes: list[str] | None = None,
+    dry_run: bool = False,
 ) -> dict:
-    """Run the grid and return the results dict (also written to ``out/results.json`` + plots)."""
+    """Run (this shard of) the grid and return the results dict (also ``out/results.json`` + plots).
+
+    Raises :class:`PolicyUnavailable` before any long work when a requested policy cannot be
+    built, unless ``cfg.skip_unavailable`` (then it is listed in ``skipped_policies``).
+    ``max_units`` / ``time_limit_s``: stop early (after the unit in progress); rerun to continue.
+    ``dry_run``: run nothing; return the plan (items, units, done, estimated CPU hours per shard).
+    """
     from tqdm.auto import tqdm
 
     cfg = cfg or EvalConfig()
     for t in cfg.tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; tasks: {', '.join(TASKS)}")
+    shard = _parse_shard(shard)
+    budgets = [b.budget for b in cfg.budgets()]
     t_start = time.perf_counter()
-    notes: list[str] = []
-    skipped: dict[str, str] = {}
-    policies = []
-    for p in cfg.policies:
-        reason = policy_available(p)
-        if reason is None:
-            policies.append(p)
-        else:
-            skipped[p] = reason
-    budgets = cfg.budgets()
-    compression = dict(zip(budgets, cfg.compressions))  # what each budget stands for, for the records
+    started = _dt.datetime.now().isoformat(timespec="seconds")
+    notes = list(notes or [])
+    policies, skipped = check_policies(model, cfg)
+    if skipped and not cfg.skip_unavailable:
+        raise PolicyUnavailable(unavailable_message(skipped))
+    tag = "main" if shard is None else f"shard-{shard[0]}-of-{shard[1]}"
+    fp = fingerprint(model, cfg)
+    store = RecordStore(None if dry_run else out, fp, tag)
+    if dry_run and out is not None and (Path(out) / "run.json").exists():
+        _, done_units, _ = load_dirs([out])
+        store.records = {u["key"]: u for u in done_units}
 
-    if documents is not None:
-        sources = [("user", name, [d.view(-1).cpu() for d in ds]) for name, ds in documents.items()]
-    else:
-        sources = corpus_documents(tokenizer, cfg, notes)
-
-    # work units: (task, domain, corpus, item, policy, budget)
-    units = []
-    cases = []
-    for task in cfg.tasks:
-        if task == "needle":
-            try:
-                cases = needle_cases(
-                    tokenizer, filler if filler is not None else default_filler(cfg),
-                    cfg.needle_lengths, cfg.needle_depths, cfg.seed,
-                )  # fmt: skip
-            except (FileNotFoundError, ValueError) as exc:
-                notes.append(f"needle skipped: {exc}")
+    items = build_items(tokenizer, cfg, notes, documents, filler)
+    settings = Settings(
+        sinks=cfg.sinks, window=cfg.window, longdep_threshold=cfg.longdep_threshold,
+        continuation_tokens=cfg.cont_tokens(), agreement_tokens=cfg.agreement_tokens,
+        reference_length=cfg.reference_length, budgets=tuple(budgets), policy_kwargs=dict(cfg.policy_kwargs or {}),
+    )  # fmt: skip
+    plan = [(it, units_of(it, policies, budgets)) for it in items]
+    costs = [item_cost(it, u, settings) for it, u in plan]
+    if dry_run:
+        return _dry_run(plan, costs, store, shard, policies, skipped, notes)
+    if shard is not None:
+        owner = partition(items, costs, shard[1])
+        plan = [pu for pu, s in zip(plan, owner) if s == shard[0] - 1]
+    todo = []
+    n_done = 0
+    for it, units in plan:
+        for p, b in units:
+            rec = store.done(unit_key(it.id, p, b))
+            if rec is None:
+                todo.append((it, p, b))
                 continue
-            dom = "user" if documents is not None or filler is not None else "needle"
-            items = [(dom, "needle", c) for c in cases]
-        else:
-            items = [(dom, corpus, d) for dom, corpus, ds in sources for d in ds]
-        for dom, corpus, item in items:
-            for p in policies:
-                for b in [None] if p == DENSE and task in ("needle", "agreement") else budgets:
-                    units.append((task, dom, corpus, item, p, b))
-
-    dense = DenseCache()
-    per_item: dict[tuple, list] = {}  # (task, policy, budget, domain) -> [(corpus, result)]
-    bar = tqdm(units, desc="kvpop eval", disable=not progress, dynamic_ncols=True)
-    for task, dom, corpus, item, p, b in bar:
-        bar.set_postfix_str(f"{task} {corpus} {p} B={b.budget if b else '-'}")
-        if p in skipped:  # a policy that failed to build once is not retried
-            continue
-        kw = dict((cfg.policy_kwargs or {}).get(p, {}))
-        try:
-            if task == "lm":
-                r = lm_doc(model, item, p, b, dense, **kw)
-            elif task == "continuation":
-                n = cfg.context() + cfg.cont_tokens()
-                if item.numel() < n:
-                    raise ValueError(f"continuation needs {n} tokens, document has {item.numel()}")
-                r = continuation_doc(model, item[:n], cfg.context(), p, b, dense, **kw)
-            elif task == "agreement":
-                r = agreement_doc(model, tokenizer, item[: cfg.prompt_tokens()], cfg.agreement_tokens, p,
-                                  b or budgets[0], dense, **kw)  # fmt: skip
-            else:
-                r = needle_case(model, tokenizer, item, p, b or budgets[0], dense, **kw)
-        except PolicyUnavailable as exc:
-            skipped.setdefault(p, str(exc))
-            policies = [q for q in policies if q != p]
-            continue
-        r["corpus"] = corpus
-        per_item.setdefault((task, p, b, dom), []).append(r)
-    bar.close()
-
-    records = [_aggregate(task, p, b, dom, rs, compression) for (task, p, b, dom), rs in per_item.items()]
-    results = {
-        "schema_version": SCHEMA_VERSION,
-        "config": _clean(asdict(cfg)),
-        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
-        "in_domain": list(IN_DOMAIN),
-        "policies": policies,
-        "skipped_policies": skipped,
-        "notes": notes,
-        "records": [_clean(r) for r in records],
-        "dense_wall_s": dense.wall_s,
-        "wall_s": time.perf_counter() - t_start,
-        "machine": {
-            "python": platform.python_version(),
+            if rec.get("doc_sha1") != it.sha1:
+                raise ValueError(
+                    f"{out}: unit {rec['key']} was computed on different tokens than {it.id} now "
+                    "(other data, tokenizer or settings); use another --out folder"
+                )
+            n_done += 1
+    if progress:
+        where = "" if shard is None else f" (shard {shard[0]}/{shard[1]})"
+        print(f"[kvpop eval] {len(plan)} items, {n_done + len(todo)} units{where}: {n_done} done before, "
+              f"{len(todo)} to run", flush=True)  # fmt: skip
+    ran, stopped, interrupted = 0, None, True
+    ctx = None
+    bar = tqdm(todo, desc="kvpop eval", disable=not progress, dynamic_ncols=True)
+    try:
+        for it, p, b in bar:
+            if max_units is not None and ran >= max_units:
+                stopped = f"stopped after {ran} units (max_units)"
+                break
+            if time_limit_s is not None and time.perf_counter() - t_start > time_limit_s:
+                stopped = f"stopped after {time.perf_counter() - t_start:.0f}s (time limit), {ran} units run"
+                break
+            if p in skipped:
+                continue
+            if ctx is None or ctx.item is not it:
+                ctx = None  # free the previous item's tensors first
+                ctx = ItemContext(model, tokenizer, it, settings)
+            bar.set_postfix_str(f"{it.id} {p} B={b if b is not None else '-'}")
+            try:
+                rec = ctx.run(p, b)
+            except PolicyUnavailable as exc:
+                if not cfg.skip_unavailable:
+                    raise
+                skipped.setdefault(p, str(exc))
+                policies = [q for q in policies if q != p]
+                continue
+            store.append(rec)
+            ran += 1
+        interrupted = False
+    finally:
+        bar.close()
+        remaining = len(todo) - ran
+        if stopped:
+            notes.append(f"{stopped}; {remaining} units of this run remain: rerun the same command to continue")
+        session = {
+            "tag": tag, "shard": None if shard is None else f"{shard[0]}/{shard[1]}", "started": started,
+            "finished": _dt.datetime.now().isoformat(timespec="seconds"), "wall_s": time.perf_counter() - t_start,
+            "interrupted": interrupted, "tasks": list(cfg.tasks), "policies": policies, "budgets": budgets,
+            "skipped_policies": skipped, "notes": notes, "units_run": ran, "units_done_before": n_done,
+            "units_remaining": remaining, "threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
-    }
+        }  # fmt: skip
+        store.add_session(session)
+    if out is not None:
+        _, units, sessions = load_dirs([out])
+    else:
+        units, sessions = list(store.records.values()), [session]
+    results = build_results(units, sessions, fp, cfg=cfg)
     if out is not None:
         write_results(results, out, plots=plots)
     return results
 
 
-def _aggregate(task: str, policy: str, b: EvictionConfig | None, domain: str, rs: list[dict],
-               compression: dict) -> dict:  # fmt: skip
-    rec = {"task": task, "policy": policy, "domain": domain, **_budget_fields(b, compression)}
-    rec["corpora"] = sorted({r["corpus"] for r in rs})
-    rec["wall_s"] = sum(r["wall_s"] for r in rs)
-    rec["n_items"] = len(rs)
-    if task in ("lm", "continuation"):
-        total = Sums()
-        by_corpus: dict[str, Sums] = {}
-        for r in rs:
-            total = total.add(r["_sums"])
-            by_corpus[r["corpus"]] = by_corpus.get(r["corpus"], Sums()).add(r["_sums"])
-        rec["metrics"] = total.metrics()
-        rec["per_corpus"] = {c: s.metrics() for c, s in sorted(by_corpus.items())}
-    elif task == "agreement":
-        n = sum(r["n_tokens"] for r in rs)
-        rec["metrics"] = {
-            "n_tokens": n,
-            "match_rate": sum(r["match_rate"] * r["n_tokens"] for r in rs) / n if n else float("nan"),
-            "prefix_match": sum(r["prefix_match"] for r in rs) / len(rs),
-        }
-    else:
-        rec["metrics"] = {"accuracy": sum(r["correct"] for r in rs) / len(rs), "n_cases": len(rs)}
-        rec["cases"] = [{k: v for k, v in r.items() if k != "corpus"} for r in rs]
-    if task in ("lm", "continuation", "agreement"):
-        rec["per_item"] = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rs]
-    return rec
+def _dry_run(plan, costs, store, shard, policies, skipped, notes) -> dict:
+    """What a run would do: per shard, items, units (done / to run) and estimated CPU hours to run."""
+    n = shard[1] if shard is not None else 1
+    owner = partition([it for it, _ in plan], costs, n) if n > 1 else [0] * len(plan)
+    shards = []
+    for s in range(n):
+        mine = [(pu, c) for pu, c, o in zip(plan, costs, owner) if o == s]
+        units = sum(len(u) for (_, u), _ in mine)
+        done = sum(1 for (it, u), _ in mine for p, b in u if store.done(unit_key(it.id, p, b)))
+        todo_cost = sum(c * (1 - sum(1 for p, b in u if store.done(unit_key(it.id, p, b))) / max(1, len(u)))
+                        for (it, u), c in mine)  # fmt: skip
+        kinds: dict[str, int] = {}
+        for (it, _), _ in mine:
+            kinds[it.kind] = kinds.get(it.kind, 0) + 1
+        shards.append({"shard": f"{s + 1}/{n}", "items": len(mine), "items_by_kind": kinds, "units": units,
+                       "done": done, "cpu_hours_total": sum(c for _, c in mine) / 3600,
+                       "cpu_hours_to_run": todo_cost / 3600})  # fmt: skip
+    return {"dry_run": True, "policies": policies, "skipped_policies": skipped, "notes": notes, "shards": shards}
+
+
+def build_results(units: list[dict], sessions: list[dict], fp: dict, cfg: EvalConfig | None = None,
+                  n_boot: int | None = None) -> dict:  # fmt: skip
+    """The results dict from unit records alone (also after merging folders)."""
+    skipped: dict[str, str] = {}
+    notes: list[str] = []
+    tasks: list[str] = []
+    for s in sessions:
+        for p, r in (s.get("skipped_policies") or {}).items():
+            skipped.setdefault(p, r)
+        notes += [n for n in s.get("notes", []) if n not in notes]
+        tasks += [t for t in s.get("tasks", []) if t not in tasks]
+    present = {u["policy"] for u in units}
+    policies = [p for p in ALL_POLICIES if p in present] + sorted(present - set(ALL_POLICIES))
+    skipped = {p: r for p, r in skipped.items() if p not in present}
+    n_boot = n_boot if n_boot is not None else (cfg.bootstrap if cfg is not None else 2000)
+    doc_tasks = [t for t in ("lm", "continuation") if t in tasks] or None
+    rows = aggregate(units, tasks=doc_tasks, policies=policies, n_boot=n_boot)
+    units = sorted(units, key=lambda u: u["key"])
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "config": {**fp, **({"selection": _clean(asdict(cfg))} if cfg is not None else {})},
+        "model": fp.get("model"),
+        "in_domain": list(IN_DOMAIN),
+        "policies": policies,
+        "skipped_policies": skipped,
+        "notes": notes,
+        "records": [_clean(r) for r in rows],
+        "units": [_clean(u) for u in units],
+        "sessions": sessions,
+        "wall_s": sum(s.get("wall_s", 0.0) for s in sessions),
+        "unit_wall_s": sum((u.get("wall_s") or 0.0) + (u.get("shared_wall_s") or 0.0) for u in units),
+    }
+
+
+def merge(dirs, out: str | Path, plots: bool = True) -> dict:
+    """Combine the records of several output folders (same settings) into ``out/results.json`` + plots."""
+    fp, units, sessions = load_dirs(dirs)
+    results = build_results(units, sessions, fp)
+    results["merged_from"] = [str(d) for d in dirs]
+    write_results(results, out, plots=plots)
+    return results
+
+
+def _clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items() if not str(k).startswith("_")}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
 
 
 def write_results(results: dict, out: str | Path, plots: bool = True) -> Path:
+    """``out/results.json`` and ``out/table.md`` (atomically), then the plots; a plotting failure is
+    reported in ``results["plot_error"]`` and never loses the results."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
-    path.write_text(json.dumps(results, indent=1, allow_nan=False, default=str))
+
+    def dump() -> None:
+        tmp = out / f".results.json.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(results, indent=1, allow_nan=False, default=str))
+        tmp.replace(path)
+
+    from .report import markdown_report
+
+    md = out / f".table.md.{os.getpid()}.tmp"
+    md.write_text(markdown_report(results))
+    md.replace(out / "table.md")
+    dump()
     if plots:
         from .plots import plot_results
 
-        results["plots"] = [str(p) for p in plot_results(results, out)]
-        path.write_text(json.dumps(results, indent=1, allow_nan=False, default=str))
+        try:
+            results["plots"] = sorted(p.name for p in plot_results(results, out))
+        except Exception as exc:  # noqa: BLE001 - the numbers matter more than the pictures
+            results["plot_error"] = f"{type(exc).__name__}: {exc}"
+            print(f"[kvpop eval] warning: plotting failed ({results['plot_error']})", flush=True)
+        dump()
     return path
 
 
-# ------------------------------------------------------------------------------ table
-
-PRIMARY = {"lm": "retention", "continuation": "retention", "needle": "accuracy", "agreement": "match_rate"}
-
-
 def table(results: dict) -> str:
-    """A plain-text summary: one row per record."""
-    rows = [
-        f"{'task':13} {'domain':14} {'policy':10} {'B':>5} {'compr':>6} {'primary':>8} {'kl':>8} {'top1':>6} {'ppl':>9} {'wall_s':>7}"
-    ]
-    for r in results["records"]:
-        m = r["metrics"]
+    from .report import text_table
 
-        def f(x, spec):
-            return format(x, spec) if isinstance(x, int | float) else "-"
-
-        rows.append(
-            f"{r['task']:13} {r['domain']:14} {r['policy']:10} {f(r['budget'], '5d'):>5} {f(r['compression'], '6.4f'):>6} "
-            f"{f(m.get(PRIMARY[r['task']]), '8.4f'):>8} {f(m.get('kl'), '8.4f'):>8} {f(m.get('top1_agreement'), '6.3f'):>6} "
-            f"{f(m.get('ppl_policy'), '9.3f'):>9} {f(r['wall_s'], '7.1f'):>7}"
-        )
-    if results.get("skipped_policies"):
-        rows.append("skipped: " + "; ".join(f"{k}: {v}" for k, v in results["skipped_policies"].items()))
-    for n in results.get("notes", []):
-        rows.append("note: " + n)
-    return "\n".join(rows)
+    return text_table(results)

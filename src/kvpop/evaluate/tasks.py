@@ -1,11 +1,19 @@
-"""The four evaluation tasks, one document / case at a time.
+"""The evaluation tasks, one document / case at a time.
 
-- ``lm``: teacher-forced long-document LM, scored over positions ``>= B``.
-- ``continuation``: context under the policy, then a continuation scored the same way
-  (only the continuation's predictions count).
-- ``needle``: a passkey hidden at a depth of filler text, asked for with the chat template;
-  exact match of the number in the greedy answer.
+- ``lm``: teacher-forced long-document LM, scored over positions ``>= B`` (all tokens, and the
+  long-dependency tokens: where the full context beats a window-only dense run by more than a
+  threshold, see :mod:`kvpop.evaluate.core`).
+- ``continuation``: the last ``continuation_tokens`` predictions of the same document (a
+  continuation after a long context): the same forward as ``lm``, a different slice.
+- ``needle``: a passkey hidden at a depth of essay filler, asked for with the chat template;
+  exact match of the number in the greedy answer. A grid of lengths x depths.
+- ``multikey``: several "The access code for <Name> is <5 digits>." facts spread through essay
+  filler, then a question for one of them with the chat template; exact match of the number.
 - ``agreement``: greedy continuation of a prompt; token match rate against dense.
+
+Cases are deterministic: each needle cell and each multi-key case draws from its own
+``random.Random`` seeded by ``(seed, task, length, depth / case index)``, so asking for more
+lengths, depths or cases never changes the ones already there.
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ from __future__ import annotations
 import random
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -21,7 +29,9 @@ from torch import Tensor
 from ..config import EvictionConfig
 from .core import DENSE, DenseCache, doc_key, policy_cache, teacher_forced
 
-TASKS = ("lm", "continuation", "needle", "agreement")
+TASKS = ("lm", "continuation", "needle", "multikey", "agreement")
+DEFAULT_TASKS = ("lm", "continuation", "needle", "multikey")
+TEXT_TASKS = ("lm", "continuation", "agreement")  # tasks that run on a document's own text
 
 
 def lm_doc(model, ids: Tensor, policy: str, budget: EvictionConfig, dense: DenseCache, **policy_kwargs) -> dict:
@@ -81,20 +91,66 @@ def _policy_generate(model, tokenizer, prompt: Tensor, n: int, policy: str, budg
     return dense_new, new, time.perf_counter() - t0
 
 
-def agreement_doc(model, tokenizer, prompt: Tensor, n_new: int, policy: str, budget: EvictionConfig, dense: DenseCache,
-                  **policy_kwargs) -> dict:  # fmt: skip
-    """Greedy ``n_new`` tokens under the policy vs dense (eos suppressed so both have ``n_new``)."""
-    d, p, wall = _policy_generate(model, tokenizer, prompt, n_new, policy, budget, dense, True, policy_kwargs)
-    n = min(d.numel(), p.numel())
-    eq = (d[:n] == p[:n]).tolist()
+def agreement_result(dense_new: Tensor, new: Tensor) -> dict:
+    n = min(dense_new.numel(), new.numel())
+    eq = (dense_new[:n] == new[:n]).tolist()
     first = next((i for i, e in enumerate(eq) if not e), n)
     return {
         "n_tokens": n,
         "prefix_match": first / n if n else float("nan"),
         "match_rate": sum(eq) / n if n else float("nan"),
         "first_divergence": first,
-        "wall_s": wall,
     }
+
+
+def agreement_doc(model, tokenizer, prompt: Tensor, n_new: int, policy: str, budget: EvictionConfig, dense: DenseCache,
+                  **policy_kwargs) -> dict:  # fmt: skip
+    """Greedy ``n_new`` tokens under the policy vs dense (eos suppressed so both have ``n_new``)."""
+    d, p, wall = _policy_generate(model, tokenizer, prompt, n_new, policy, budget, dense, True, policy_kwargs)
+    return {**agreement_result(d, p), "wall_s": wall}
+
+
+# ------------------------------------------------------------------------------ prompts
+
+
+def render_chat(tokenizer, content: str, fallback_suffix: str = "\nAnswer:") -> list[int]:
+    """Token ids of ``content`` as one user turn with the generation prompt (chat template), or
+    ``content + fallback_suffix`` for a tokenizer without a template."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(content + fallback_suffix, add_special_tokens=False)["input_ids"]
+
+
+def first_number(answer: str) -> str | None:
+    numbers = re.findall(r"\d+", answer)
+    return numbers[0] if numbers else None
+
+
+def _filler_ids(tokenizer, filler_text: str) -> list[int]:
+    return tokenizer(filler_text, add_special_tokens=False)["input_ids"]
+
+
+def _spliced(tokenizer, filler: list[int], start: int, n_fill: int, inserts: list[tuple[float, str]]) -> str:
+    """``filler[start:start + n_fill]`` as text with each ``(depth, sentence)`` inserted at its depth."""
+    cuts = sorted((round(d * n_fill), s) for d, s in inserts)
+    parts, prev = [], 0
+    for cut, sentence in cuts:
+        parts.append(tokenizer.decode(filler[start + prev : start + cut]))
+        parts.append(sentence)
+        prev = cut
+    parts.append(tokenizer.decode(filler[start + prev : start + n_fill]))
+    return "".join(parts)
+
+
+def _n_fill(length: int, overhead: int, available: int, what: str) -> int:
+    n_fill = length - overhead
+    if n_fill < 1:
+        raise ValueError(f"{what} length {length} is too short for the question ({overhead} tokens)")
+    if n_fill > available:
+        raise ValueError(f"not enough filler text for a {length}-token {what} ({available} tokens)")
+    return n_fill
 
 
 # ------------------------------------------------------------------------------ needle
@@ -109,51 +165,124 @@ class NeedleCase:
     length: int  # requested length; ids.numel() is the actual one
     depth: float
 
-
-def _render(tokenizer, content: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)  # fmt: skip
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(content + "\nThe passkey is", add_special_tokens=False)["input_ids"]
+    @property
+    def case_id(self) -> str:
+        return f"L{self.length}-d{self.depth:.2f}"
 
 
 def needle_cases(tokenizer, filler_text: str, lengths, depths, seed: int = 0) -> list[NeedleCase]:
     """One case per (length, depth): filler cut to fit ``length`` tokens, passkey sentence at ``depth``."""
-    filler = tokenizer(filler_text, add_special_tokens=False)["input_ids"]
-    rng = random.Random(seed)
+    filler = _filler_ids(tokenizer, filler_text)
     cases = []
     for length in lengths:
         for depth in depths:
+            rng = random.Random(f"{seed}/needle/{length}/{depth:.6f}")
             key = str(rng.randint(10000, 99999))
             needle = f" The secret passkey is {key}. Remember it, {key} is the secret passkey. "
-            overhead = len(_render(tokenizer, needle + "\n\n" + NEEDLE_QUESTION))
-            n_fill = length - overhead
-            if n_fill < 1:
-                raise ValueError(f"needle length {length} is too short for the question ({overhead} tokens)")
-            if n_fill > len(filler):
-                raise ValueError(f"not enough filler text for a {length}-token needle ({len(filler)} tokens)")
-            cut = round(depth * n_fill)
-            before = tokenizer.decode(filler[:cut])
-            after = tokenizer.decode(filler[cut:n_fill])
-            content = before + needle + after + "\n\n" + NEEDLE_QUESTION
-            ids = torch.tensor(_render(tokenizer, content), dtype=torch.long)
+            overhead = len(render_chat(tokenizer, needle + "\n\n" + NEEDLE_QUESTION))
+            n_fill = _n_fill(length, overhead, len(filler), "needle")
+            content = _spliced(tokenizer, filler, 0, n_fill, [(depth, needle)]) + "\n\n" + NEEDLE_QUESTION
+            ids = torch.tensor(render_chat(tokenizer, content), dtype=torch.long)
             cases.append(NeedleCase(ids, key, length, depth))
     return cases
 
 
-def needle_case(model, tokenizer, case: NeedleCase, policy: str, budget: EvictionConfig, dense: DenseCache,
-                max_new_tokens: int = 16, **policy_kwargs) -> dict:  # fmt: skip
-    _, new, wall = _policy_generate(model, tokenizer, case.ids, max_new_tokens, policy, budget, dense, False,
-                                    policy_kwargs)  # fmt: skip
+def needle_result(tokenizer, case: NeedleCase, new: Tensor) -> dict:
     answer = tokenizer.decode(new, skip_special_tokens=True)
-    numbers = re.findall(r"\d+", answer)
     return {
         "length": case.length,
         "tokens": case.ids.numel(),
         "depth": case.depth,
         "passkey": case.passkey,
         "answer": answer.strip(),
-        "correct": bool(numbers) and numbers[0] == case.passkey,
-        "wall_s": wall,
+        "correct": first_number(answer) == case.passkey,
+    }
+
+
+def needle_case(model, tokenizer, case: NeedleCase, policy: str, budget: EvictionConfig, dense: DenseCache,
+                max_new_tokens: int = 16, **policy_kwargs) -> dict:  # fmt: skip
+    _, new, wall = _policy_generate(model, tokenizer, case.ids, max_new_tokens, policy, budget, dense, False,
+                                    policy_kwargs)  # fmt: skip
+    return {**needle_result(tokenizer, case, new), "wall_s": wall}
+
+
+# ------------------------------------------------------------------------------ multi-key recall
+
+MULTIKEY_NAMES = (
+    "Alice", "Bruno", "Chiara", "Dmitri", "Esther", "Farid", "Greta", "Hiroshi", "Ingrid", "Jamal",
+    "Keiko", "Lorenzo", "Marta", "Nikolai", "Olga", "Pedro", "Quentin", "Rosa", "Stefan", "Tamara",
+    "Ulrich", "Valeria", "Wendell", "Ximena", "Yusuf", "Zofia",
+)  # fmt: skip
+
+
+def multikey_fact(name: str, code: str) -> str:
+    return f" The access code for {name} is {code}. "
+
+
+def multikey_question(name: str) -> str:
+    return f"What is the access code for {name}? Answer with the number only."
+
+
+@dataclass
+class MultiKeyCase:
+    ids: Tensor  # prompt ids (chat template applied, generation prompt added)
+    facts: list[tuple[str, str]]  # (name, code) in the order they appear
+    depths: list[float]  # depth of each fact in the filler
+    asked: str  # the name asked for
+    answer: str  # its code
+    length: int  # requested length; ids.numel() is the actual one
+    case: int
+    text: str = field(repr=False, default="")  # the user turn (filler, facts, question)
+
+    @property
+    def case_id(self) -> str:
+        return f"L{self.length}-c{self.case:02d}"
+
+
+def multikey_cases(tokenizer, filler_text: str, lengths, n_cases: int, n_keys: int = 4, seed: int = 0
+                   ) -> list[MultiKeyCase]:  # fmt: skip
+    """``n_cases`` cases per length: ``n_keys`` facts, one in each of ``n_keys`` equal segments of
+    the filler (a random depth inside the middle 70% of its segment), then a question for one of
+    them. Each case reads the filler from its own random offset, so cases differ in their text."""
+    if not 1 <= n_keys <= len(MULTIKEY_NAMES):
+        raise ValueError(f"n_keys must be in [1, {len(MULTIKEY_NAMES)}], got {n_keys}")
+    filler = _filler_ids(tokenizer, filler_text)
+    cases = []
+    for length in lengths:
+        for c in range(n_cases):
+            rng = random.Random(f"{seed}/multikey/{length}/{c}/{n_keys}")
+            names = rng.sample(MULTIKEY_NAMES, n_keys)
+            codes: list[str] = []
+            while len(codes) < n_keys:
+                code = str(rng.randint(10000, 99999))
+                if code not in codes:
+                    codes.append(code)
+            depths = [(j + rng.uniform(0.15, 0.85)) / n_keys for j in range(n_keys)]
+            asked = rng.randrange(n_keys)
+            facts = [multikey_fact(n, code) for n, code in zip(names, codes)]
+            question = multikey_question(names[asked])
+            overhead = len(render_chat(tokenizer, "".join(facts) + "\n\n" + question))
+            n_fill = _n_fill(length, overhead, len(filler), "multi-key case")
+            start = rng.randrange(0, len(filler) - n_fill + 1)
+            text = _spliced(tokenizer, filler, start, n_fill, list(zip(depths, facts))) + "\n\n" + question
+            ids = torch.tensor(render_chat(tokenizer, text), dtype=torch.long)
+            cases.append(MultiKeyCase(ids, list(zip(names, codes)), depths, names[asked], codes[asked], length, c,
+                                      text))  # fmt: skip
+    return cases
+
+
+def multikey_result(tokenizer, case: MultiKeyCase, new: Tensor) -> dict:
+    answer = tokenizer.decode(new, skip_special_tokens=True)
+    got = first_number(answer)
+    return {
+        "length": case.length,
+        "tokens": case.ids.numel(),
+        "case": case.case,
+        "n_keys": len(case.facts),
+        "asked": case.asked,
+        "asked_depth": case.depths[[n for n, _ in case.facts].index(case.asked)],
+        "expected": case.answer,
+        "answer": answer.strip(),
+        "correct": got == case.answer,
+        "other_key": got is not None and got != case.answer and got in {c for _, c in case.facts},
     }

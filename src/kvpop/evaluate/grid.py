@@ -1,0 +1,267 @@
+"""Items, units and their execution: what one ``kvpop eval`` process runs.
+
+An *item* is one document (teacher-forced ``lm`` + ``continuation``), one needle case, one
+multi-key case or one agreement prompt; a *unit* is (item, policy, budget). What several
+policies of an item share (the dense forward, the window-only dense forward of each budget for
+the long-dependency tokens, the oracle's captured targets for every window, the dense greedy
+answer) is computed once per process in :class:`ItemContext`, so a shard takes whole items.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .core import (
+    DENSE,
+    ORACLE,
+    build_cache,
+    dense_logprobs,
+    doc_key,
+    hidden_states,
+    nll_positions,
+    oracle_targets_multi,
+    oracle_window,
+    position_stats,
+    sums_over,
+    window_only_hidden,
+)
+from .stats import sums_to_dict
+from .store import unit_key
+from .tasks import agreement_result, greedy, multikey_result, needle_result
+
+LOGP_CACHE_BYTES = 2 << 30  # dense log-probs of a document kept in float64 up to this size (4k tokens: 1.5 GB)
+GEN_TOKENS = {"needle": 24, "multikey": 24}  # greedy answer length (digits are single tokens in SmolLM2)
+
+
+@dataclass
+class Item:
+    kind: str  # "doc" | "needle" | "multikey" | "agreement"
+    source: str  # corpus / user source / filler name
+    domain: str
+    index: str
+    ids: Tensor  # the document, or the prompt
+    case: object = None  # NeedleCase / MultiKeyCase
+    sha1: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        self.ids = self.ids.view(-1).cpu()
+        self.sha1 = doc_key(self.ids)
+
+    @property
+    def id(self) -> str:
+        return f"{self.kind}/{self.source}/{self.index}"
+
+
+@dataclass
+class Settings:
+    """What a unit's result depends on besides the item, policy and budget."""
+
+    sinks: int = 4
+    window: int | None = None
+    longdep_threshold: float = 0.5
+    continuation_tokens: int = 256
+    agreement_tokens: int = 256
+    reference_length: int = 4096
+    budgets: tuple[int, ...] = ()  # every budget of the run (the oracle captures all windows at once)
+    policy_kwargs: dict = field(default_factory=dict)
+
+
+def units_of(item: Item, policies, budgets) -> list[tuple[str, int | None]]:
+    """(policy, budget) pairs of an item; dense once (no budget) for generation tasks."""
+    out = []
+    for p in policies:
+        if p == DENSE and item.kind != "doc":
+            out.append((p, None))
+        else:
+            out += [(p, b) for b in budgets]
+    return out
+
+
+def partition(items: list[Item], costs: list[float], n: int) -> list[int]:
+    """Shard (0-based) of each item: longest first onto the least loaded shard, deterministic."""
+    order = sorted(range(len(items)), key=lambda i: (-costs[i], items[i].id))
+    load = [0.0] * n
+    shard = [0] * len(items)
+    for i in order:
+        s = min(range(n), key=lambda j: (load[j], j))
+        shard[i] = s
+        load[s] += costs[i]
+    return shard
+
+
+# CPU seconds per token (one thread), measured on SmolLM2-135M with 4,096-token documents on the
+# development machine: the forward under any eviction policy (15-20 s), the dense forward, the
+# window-only run, the oracle's capture of three windows, and the metrics (LM head, log-softmax,
+# KL over the vocabulary) per scored position; greedy answers cost ~0.055 s per token.
+CPU_S_PER_TOKEN = {"policy": 4.1e-3, "dense": 4.0e-3, "window": 3.2e-3, "capture": 9.6e-3, "metrics": 1.7e-3,
+                   "dense_logp": 1.4e-3}  # fmt: skip
+CPU_S_PER_NEW_TOKEN = 0.055
+
+
+def item_cost(item: Item, units: list[tuple[str, int | None]], settings: Settings | None = None) -> float:
+    """Rough CPU seconds of an item's units and shared runs (the constants above): balances shards,
+    and ``kvpop eval --dry-run`` prints it."""
+    c = CPU_S_PER_TOKEN
+    S = item.ids.numel()
+    policies = {p for p, _ in units}
+    budgets = {b for _, b in units if b is not None}
+    n_new = GEN_TOKENS.get(item.kind, settings.agreement_tokens if settings else 256)
+    cost = S * c["dense"]
+    if ORACLE in policies:
+        cost += S * c["capture"]
+    if item.kind == "doc":
+        cost += S * (c["window"] * len(budgets) + c["dense_logp"])
+    else:
+        cost += n_new * CPU_S_PER_NEW_TOKEN
+    for p, b in units:
+        if item.kind == "doc":
+            cost += (S - min(b, S - 1)) * c["metrics"] * (0.3 if p == DENSE else 1.0)
+        elif p != DENSE:
+            cost += n_new * CPU_S_PER_NEW_TOKEN
+        if p != DENSE:
+            cost += S * c["policy"]
+    return cost
+
+
+class ItemContext:
+    """What the units of one item share, computed on first use."""
+
+    def __init__(self, model, tokenizer, item: Item, settings: Settings) -> None:
+        self.model, self.tokenizer, self.item, self.s = model, tokenizer, item, settings
+        self._dense_hidden: Tensor | None = None
+        self._dense_logp: tuple[int, Tensor] | None = None
+        self._window_nll: dict[int, Tensor] = {}
+        self._oracle: dict[int, list[Tensor]] | None = None
+        self._dense_new: Tensor | None = None
+        self.shared_wall_s = 0.0
+
+    def _timed(self, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        self.shared_wall_s += time.perf_counter() - t0
+        return out
+
+    def dense_hidden(self) -> Tensor:
+        if self._dense_hidden is None:
+            self._dense_hidden = self._timed(lambda: hidden_states(self.model, self.item.ids, None))
+        return self._dense_hidden
+
+    def dense_logp(self, lo: int, hi: int) -> tuple[int, Tensor | None]:
+        """(first position, dense log-probs from it to ``hi``), kept for the item when it fits in
+        :data:`LOGP_CACHE_BYTES`; it starts at the lowest position any budget of the run scores."""
+        if self._dense_logp is None or self._dense_logp[0] > lo:
+            first = min([lo, *(min(b, hi) for b in self.s.budgets), max(0, hi - self.s.continuation_tokens)])
+            if (hi - first) * self.model.config.vocab_size * 8 > LOGP_CACHE_BYTES:
+                return lo, None
+            self._dense_logp = (first, self._timed(lambda: dense_logprobs(self.model, self.dense_hidden(), first, hi)))
+        return self._dense_logp
+
+    def window_nll(self, budget: int) -> Tensor:
+        """NLL at every position ``[0, S - 1)`` of the window-only dense run: sinks + the last
+        ``budget - sinks`` tokens (the context StreamingLLM keeps at this budget)."""
+        if budget not in self._window_nll:
+            ids = self.item.ids
+            sinks = min(self.s.sinks, budget - 1)
+
+            def run():
+                h = window_only_hidden(self.model, ids, sinks, budget - sinks)
+                return nll_positions(self.model, h, ids, 0, ids.numel() - 1)
+
+            self._window_nll[budget] = self._timed(run)
+        return self._window_nll[budget]
+
+    def sequence(self) -> Tensor:
+        """The whole sequence the cache will see (the oracle's capture): the document, or prompt + dense answer."""
+        if self.item.kind == "doc":
+            return self.item.ids
+        return torch.cat([self.item.ids, self.dense_new()])
+
+    def oracle(self) -> dict[int, list[Tensor]]:
+        if self._oracle is None:
+            windows = {oracle_window(b, self.s.sinks, self.s.window) for b in self.s.budgets}
+            self._oracle = self._timed(lambda: oracle_targets_multi(self.model, self.sequence(), windows))
+        return self._oracle
+
+    def n_new(self) -> tuple[int, bool]:
+        if self.item.kind == "agreement":
+            return self.s.agreement_tokens, True
+        return GEN_TOKENS[self.item.kind], False
+
+    def dense_new(self) -> Tensor:
+        if self._dense_new is None:
+            n, force = self.n_new()
+            self._dense_new = self._timed(lambda: greedy(self.model, self.tokenizer, self.item.ids, n, None, force))
+        return self._dense_new
+
+    def cache(self, policy: str, budget: int):
+        kw = dict(self.s.policy_kwargs.get(policy, {}))
+        oracle = self.oracle() if policy == ORACLE else None
+        return build_cache(self.model, policy, budget, sinks=self.s.sinks, window=self.s.window, oracle=oracle, **kw)
+
+    # -------------------------------------------------------------------------- units
+
+    def run(self, policy: str, budget: int | None) -> dict:
+        item = self.item
+        rec = {"key": unit_key(item.id, policy, budget), "kind": item.kind, "item_id": item.id,
+               "source": item.source, "domain": item.domain, "item": item.index, "doc_sha1": item.sha1,
+               "tokens": item.ids.numel(), "policy": policy, "budget": budget,
+               "compression": None if budget is None else 1.0 - budget / self.s.reference_length,
+               "sinks": None, "window": None, "k": None}  # fmt: skip
+        shared0 = self.shared_wall_s
+        if item.kind == "doc":
+            self.dense_hidden()
+            self.window_nll(budget)
+        else:
+            self.dense_new()
+        if policy == ORACLE:
+            self.oracle()
+        rec["shared_wall_s"] = self.shared_wall_s - shared0  # dense / window-only / capture runs done for this unit
+        t0 = time.perf_counter()
+        cache = None if policy == DENSE else self.cache(policy, budget)
+        if cache is not None:
+            e = cache.eviction
+            rec.update(sinks=e.sinks, window=e.window, k=e.k)
+            src = getattr(cache.policy, "source", None)
+            if src is not None:
+                rec["scorer"] = str(src)
+        if item.kind == "doc":
+            rec.update(self._doc(cache, budget))
+        else:
+            if cache is None:
+                new = self.dense_new()
+            else:
+                n, force = self.n_new()
+                if policy == ORACLE:  # its targets cover prompt + the dense answer, no further
+                    n = min(n, self.dense_new().numel())
+                new = greedy(self.model, self.tokenizer, item.ids, n, cache, force)
+            if item.kind == "needle":
+                rec.update(needle_result(self.tokenizer, item.case, new))
+            elif item.kind == "multikey":
+                rec.update(multikey_result(self.tokenizer, item.case, new))
+            else:
+                rec.update(agreement_result(self.dense_new(), new))
+        rec["wall_s"] = time.perf_counter() - t0
+        return rec
+
+    def _doc(self, cache, budget: int) -> dict:
+        ids = self.item.ids
+        S = ids.numel()
+        hi = S - 1
+        lo_all = budget if budget < hi else 0  # positions >= B: the cache has had to evict
+        lo_cont = max(0, hi - self.s.continuation_tokens)
+        lo = min(lo_all, lo_cont)
+        dh = self.dense_hidden()
+        ph = dh if cache is None else hidden_states(self.model, ids, cache)
+        first, logp = self.dense_logp(lo, hi)
+        st = position_stats(self.model, dh, ph, ids, lo, hi, dense_logp=logp, dense_lo=first)
+        pos = torch.arange(lo, hi)
+        gain = self.window_nll(budget)[lo:hi] - st["nll_dense"]
+        longdep = gain > self.s.longdep_threshold
+        m_all, m_cont = pos >= lo_all, pos >= lo_cont
+        sums = {"all": m_all, "longdep": m_all & longdep, "cont": m_cont, "cont_longdep": m_cont & longdep}
+        return {"scored_from": lo_all, "continuation_from": lo_cont, "longdep_threshold": self.s.longdep_threshold,
+                "sums": {k: sums_to_dict(sums_over(st, m)) for k, m in sums.items()}}  # fmt: skip
