@@ -93,6 +93,8 @@ def test_capture_store_is_reused_and_guarded(tmp_path, docs):
     assert [h["loss"] for h in a["history"]] == pytest.approx([h["loss"] for h in b["history"]], rel=1e-3)
     # a run at the extra window reads it from the store; other settings are refused
     train(_cfg(tmp_path / "c", docs, scorer="mlp", val_docs=0, steps=2, window=4, store=str(store)), model, tok)
+    # a run without observed-attention inputs reads the same store
+    train(_cfg(tmp_path / "f", docs, scorer="mlp", val_docs=0, steps=2, observed=(), store=str(store)), model, tok)
     with pytest.raises(ValueError, match="no targets for windows"):
         train(_cfg(tmp_path / "d", docs, scorer="mlp", val_docs=0, steps=2, window=5, store=str(store)), model, tok)
     with pytest.raises(ValueError, match="other settings"):

@@ -140,7 +140,8 @@ class CaptureStore:
         path = self.folder / "store.json"
         if path.exists():
             have = json.loads(path.read_text())
-            for key in ("format", "fingerprint", "data", "sinks", "obs_windows"):
+            keys = ["format", "fingerprint", "data", "sinks"] + (["obs_windows"] if cfg.observed else [])
+            for key in keys:  # a run without observed-attention inputs can read any store
                 if have.get(key) != self.meta[key]:
                     raise ValueError(
                         f"capture store {self.folder} was made with other settings ({key}: {have.get(key)!r} vs "
@@ -151,6 +152,7 @@ class CaptureStore:
                 raise ValueError(f"capture store {self.folder} has no targets for windows {missing} "
                                  f"(it has {have['windows']}); use another --store folder")  # fmt: skip
             self.meta["windows"] = have["windows"]
+            self.meta["obs_windows"] = have["obs_windows"]
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
             atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(self.meta, indent=1)))
@@ -158,6 +160,10 @@ class CaptureStore:
     @property
     def windows(self) -> list[int]:
         return list(self.meta["windows"])
+
+    @property
+    def obs_windows(self) -> tuple:
+        return tuple(self.meta["obs_windows"])
 
     def path(self, j: int) -> Path:
         return self.folder / f"seq_{j:06d}.safetensors"
@@ -178,7 +184,7 @@ class CaptureStore:
         meta = {"corpus": ex.corpora[0]}
         atomic_write(self.path(j), lambda tmp: save_file(tensors, tmp, metadata={"kvpop": json.dumps(meta)}))
 
-    def load(self, j: int, windows) -> Example:
+    def load(self, j: int, windows, observed: bool = True) -> Example:
         from safetensors import safe_open
 
         with safe_open(str(self.path(j)), framework="pt") as f:
@@ -188,7 +194,7 @@ class CaptureStore:
                 return f.get_tensor(name).unsqueeze(1)
 
             targets = {w: get(f"target_{w}") for w in windows}
-            observed = {w: get(f"observed_{w}") for w in windows} if self.meta["obs_windows"] else {}
+            observed = {w: get(f"observed_{w}") for w in windows} if observed and self.meta["obs_windows"] else {}
             return Example(get("keys"), get("values"), targets, observed, [meta.get("corpus", "?")])
 
 
@@ -196,12 +202,13 @@ def example_for(j: int, source: SequenceSource, store: CaptureStore | None, mode
     """Sequence ``j``'s capture: from the store, or captured now (and stored, with a store)."""
     windows = cfg.windows()
     if store is not None and store.has(j):
-        return store.load(j, windows)
+        return store.load(j, windows, observed=bool(cfg.observed))
     corpus, ids = source.get(j)
-    ex = capture_example(model, ids.view(1, -1), store.windows if store else windows, cfg.sinks, cfg.observed,
-                         [corpus])  # fmt: skip
+    obs = store.obs_windows if store is not None else cfg.observed  # a store stays uniform
+    ex = capture_example(model, ids.view(1, -1), store.windows if store else windows, cfg.sinks, obs, [corpus])
     if store is not None:
         store.save(j, ex)
         ex = Example(ex.keys, ex.values, {w: ex.targets[w] for w in windows},
-                     {w: ex.observed[w] for w in windows} if ex.observed else {}, ex.corpora)  # fmt: skip
+                     {w: ex.observed[w] for w in windows} if ex.observed and cfg.observed else {},
+                     ex.corpora)  # fmt: skip
     return ex
