@@ -108,9 +108,12 @@ def test_one_budget_rule_for_evaluation_and_cache():
             EvalConfig(compressions=(bad,), reference_length=64).budgets()
         with pytest.raises(ValueError, match="compression must be in \\(0, 1\\)"):
             KVpopCache(tiny_model("llama").config, compression=bad, reference_length=64, policy="knorm")
-    (b,) = EvalConfig(compressions=(0.875,), reference_length=4096).budgets()
+    (b,) = EvalConfig(compressions=(0.875,), reference_length=4096, window_fraction=None).budgets()
     assert b == EvictionConfig.from_budget(compression=0.875, reference_length=4096)
     assert (b.budget, b.window, b.sinks, b.k) == (512, 64, 4, 444)
+    # the default evaluation gives every window-based policy the same window fraction of B
+    (b,) = EvalConfig(compressions=(0.875,), reference_length=4096).budgets()
+    assert (b.budget, b.window, b.sinks, b.k) == (512, 256, 4, 252)
 
 
 def test_unregistered_policy_is_reported():
@@ -171,7 +174,7 @@ def test_run_eval_schema_and_plots(tmp_path):
         assert r["metrics"]["n_tokens"] == 2 * (63 - r["budget"])
         assert r["longdep"]["n_tokens"] <= r["metrics"]["n_tokens"] and "ci" in r and "per_item" in r
         assert r["window"] == (None if r["policy"] == "dense" else r["budget"] - 4 if r["policy"] == "streaming"
-                               else r["budget"] // 8)  # each policy's own default window, recorded
+                               else r["budget"] // 2)  # the same window fraction for every policy, recorded
     cont = [r for r in recs if r["task"] == "continuation"]
     assert cont and all(r["metrics"]["n_tokens"] == 2 * 4 for r in cont)  # the last 64 // 16 = 4 predictions
     agr = [r for r in recs if r["task"] == "agreement"]

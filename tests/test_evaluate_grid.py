@@ -336,7 +336,7 @@ def test_docs_from_runs_the_text_tasks_and_says_what_it_does_not(tmp_path, capsy
 def test_budgets_and_windows_are_recorded(model):
     res = _run(model, _cfg(tasks=("lm",), policies=("dense", "streaming", "knorm")))
     for u in res["units"]:
-        e = EvictionConfig.from_budget(u["budget"])
+        e = EvictionConfig.from_budget(u["budget"], window=u["budget"] // 2)  # the default window fraction 0.5
         if u["policy"] == "knorm":
             assert (u["sinks"], u["window"], u["k"]) == (e.sinks, e.window, e.k)
         elif u["policy"] == "streaming":

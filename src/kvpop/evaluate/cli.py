@@ -39,7 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-length", type=int, help="L in B = (1 - compression) L (default 4096)")
     p.add_argument("--sinks", type=int, help="sink tokens (default 4)")
     p.add_argument("--window", type=int,
-                   help="protected window for every policy (default: each policy's own, B // 8; StreamingLLM: B - sinks)")
+                   help="one protected window for every policy (StreamingLLM: always the whole budget)")
+    p.add_argument("--window-fraction", type=float,
+                   help="window = fraction * B for every window-based policy, the same for all (default 0.5); "
+                        "0 = each policy's own default (B // 8, a learned scorer's trained window)")
+    p.add_argument("--lam", type=float,
+                   help="recency tilt r(t) + lam * t for every policy (default: a learned scorer's trained lam, else 0)")
     p.add_argument("--docs", type=int, help="documents per corpus / user source (default 2)")
     p.add_argument("--doc-tokens", type=int, help="tokens per LM document (default 4096)")
     p.add_argument("--continuation-tokens", type=int, help="continuation = the last N predictions (default doc/16)")
@@ -87,6 +92,7 @@ def config_from_args(args) -> EvalConfig:
     for name, key in [
         ("tasks", "tasks"), ("policies", "policies"), ("compression", "compressions"),
         ("reference_length", "reference_length"), ("sinks", "sinks"), ("window", "window"), ("docs", "docs"),
+        ("window_fraction", "window_fraction"), ("lam", "lam"),
         ("doc_tokens", "doc_tokens"), ("continuation_tokens", "continuation_tokens"),
         ("longdep_threshold", "longdep_threshold"), ("corpora", "corpora"), ("needle_lengths", "needle_lengths"),
         ("needle_depths", "needle_depths"), ("multikey_lengths", "multikey_lengths"),
@@ -96,6 +102,8 @@ def config_from_args(args) -> EvalConfig:
         v = getattr(args, name, None)
         if v is not None:
             over[key] = tuple(v) if isinstance(v, list) else v
+    if over.get("window_fraction") == 0:
+        over["window_fraction"] = None  # each policy's own default window
     if getattr(args, "skip_unavailable", False):
         over["skip_unavailable"] = True
     if args.scorer:

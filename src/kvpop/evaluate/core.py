@@ -392,7 +392,8 @@ def window_only_hidden(model, input_ids: Tensor, sinks: int, window: int) -> Ten
 
 
 def build_cache(model, name: str, budget: int, *, sinks: int = 4, window: int | None = None,
-                oracle: dict[int, list[Tensor]] | None = None, **policy_kwargs) -> KVpopCache | None:  # fmt: skip
+                oracle: dict[int, list[Tensor]] | None = None, lam: float | None = None,
+                **policy_kwargs) -> KVpopCache | None:  # fmt: skip
     """The cache of policy ``name`` at ``budget`` slots per KV head (``None`` for dense).
 
     ``window=None`` is passed through to :func:`kvpop.make_cache`, so every policy gets its own
@@ -410,11 +411,11 @@ def build_cache(model, name: str, budget: int, *, sinks: int = 4, window: int | 
         if name == ORACLE:
             from ..policies.oracle import OraclePolicy
 
-            ev = EvictionConfig.from_budget(budget, window=window, sinks=sinks)
+            ev = EvictionConfig.from_budget(budget, window=window, sinks=sinks, lam=lam or 0.0)
             if oracle is None or ev.window not in oracle:
                 raise PolicyUnavailable(f"oracle needs the targets of window {ev.window} (the whole sequence in advance)")
             return make_cache(model, OraclePolicy(oracle[ev.window]), eviction=ev)
-        return make_cache(model, name, budget=budget, window=window, sinks=sinks, **policy_kwargs)
+        return make_cache(model, name, budget=budget, window=window, sinks=sinks, lam=lam, **policy_kwargs)
     except PolicyUnavailable:
         raise
     except (TypeError, ValueError, KeyError, OSError, RuntimeError) as exc:

@@ -62,12 +62,25 @@ class Settings:
 
     sinks: int = 4
     window: int | None = None
+    window_fraction: float | None = None  # window = round(fraction * B) for every policy (when window is None)
+    lam: float | None = None  # recency tilt for every policy (None: each policy's own)
     longdep_threshold: float = 0.5
     continuation_tokens: int = 256
     agreement_tokens: int = 256
     reference_length: int = 4096
     budgets: tuple[int, ...] = ()  # every budget of the run (the oracle captures all windows at once)
     policy_kwargs: dict = field(default_factory=dict)
+
+
+    def window_for(self, budget: int) -> int | None:
+        """The protected window of every policy at ``budget`` (None: each policy's own default)."""
+        return resolve_window(budget, self.window, self.window_fraction)
+
+
+def resolve_window(budget: int, window: int | None, fraction: float | None) -> int | None:
+    if window is not None or fraction is None:
+        return window
+    return max(1, int(round(fraction * budget)))
 
 
 def units_of(item: Item, policies, budgets) -> list[tuple[str, int | None]]:
@@ -182,7 +195,7 @@ class ItemContext:
 
     def oracle(self) -> dict[int, list[Tensor]]:
         if self._oracle is None:
-            windows = {oracle_window(b, self.s.sinks, self.s.window) for b in self.s.budgets}
+            windows = {oracle_window(b, self.s.sinks, self.s.window_for(b)) for b in self.s.budgets}
             self._oracle = self._timed(lambda: oracle_targets_multi(self.model, self.sequence(), windows))
         return self._oracle
 
@@ -200,7 +213,8 @@ class ItemContext:
     def cache(self, policy: str, budget: int):
         kw = dict(self.s.policy_kwargs.get(policy, {}))
         oracle = self.oracle() if policy == ORACLE else None
-        return build_cache(self.model, policy, budget, sinks=self.s.sinks, window=self.s.window, oracle=oracle, **kw)
+        return build_cache(self.model, policy, budget, sinks=self.s.sinks, window=self.s.window_for(budget), oracle=oracle,
+                           lam=self.s.lam, **kw)
 
     # -------------------------------------------------------------------------- units
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..config import EvictionConfig
+from ..config import EvictionConfig, budget_of_compression
 from .core import ALL_POLICIES, DENSE, ORACLE, PolicyUnavailable, build_cache, policy_available
-from .grid import Item, ItemContext, Settings, item_cost, partition, units_of
+from .grid import Item, ItemContext, Settings, item_cost, partition, resolve_window, units_of
 from .stats import aggregate
 from .store import RecordStore, load_dirs, unit_key
 from .tasks import DEFAULT_TASKS, TASKS, TEXT_TASKS, multikey_cases, needle_cases
@@ -65,7 +65,12 @@ class EvalConfig:
     compressions: tuple[float, ...] = (0.75, 0.875, 0.9375)
     reference_length: int = 4096
     sinks: int = 4
-    window: int | None = None  # None: each policy's own default (make_cache), recorded per unit
+    window: int | None = None  # one protected window for every policy (overrides window_fraction)
+    # window = round(window_fraction * B) for every window-based policy at budget B, so heuristics, the
+    # oracle and the learned scorers are compared with the same window (StreamingLLM: the whole budget);
+    # None: each policy's own default (B // 8, or a learned scorer's trained window); recorded per unit
+    window_fraction: float | None = 0.5
+    lam: float | None = None  # recency tilt for every policy (None: a learned scorer's trained lam, else 0)
     docs: int = 2  # documents per corpus (or per user source)
     doc_tokens: int = 4096  # lm documents; continuation = their last continuation_tokens predictions
     continuation_tokens: int | None = None  # default doc_tokens / 16 (256)
@@ -89,10 +94,12 @@ class EvalConfig:
         """One resolved budget per compression (``EvictionConfig.from_budget``: the one resolver)."""
         return [
             EvictionConfig.from_budget(
-                compression=c, reference_length=self.reference_length, sinks=self.sinks, window=self.window
+                compression=c, reference_length=self.reference_length, sinks=self.sinks,
+                window=resolve_window(budget_of_compression(c, self.reference_length), self.window,
+                                      self.window_fraction),
             )
             for c in self.compressions
-        ]
+        ]  # fmt: skip
 
     def cont_tokens(self) -> int:
         return self.continuation_tokens or max(1, self.doc_tokens // 16)
@@ -178,7 +185,8 @@ def check_policies(model, cfg: EvalConfig) -> tuple[list[str], dict[str, str]]:
         reason = policy_available(p)
         if reason is None and p not in (DENSE, ORACLE):
             try:
-                build_cache(model, p, budget, sinks=cfg.sinks, window=cfg.window,
+                window = resolve_window(budget, cfg.window, cfg.window_fraction)
+                build_cache(model, p, budget, sinks=cfg.sinks, window=window, lam=cfg.lam,
                             **dict((cfg.policy_kwargs or {}).get(p, {})))  # fmt: skip
             except PolicyUnavailable as exc:
                 reason = str(exc)
@@ -252,6 +260,8 @@ def fingerprint(model, cfg: EvalConfig) -> dict:
         "reference_length": cfg.reference_length,
         "sinks": cfg.sinks,
         "window": cfg.window,
+        "window_fraction": cfg.window_fraction,
+        "lam": cfg.lam,
         "doc_tokens": cfg.doc_tokens,
         "continuation_tokens": cfg.cont_tokens(),
         "longdep_threshold": cfg.longdep_threshold,
@@ -324,7 +334,8 @@ def run_eval(
 
     items = build_items(tokenizer, cfg, notes, documents, filler)
     settings = Settings(
-        sinks=cfg.sinks, window=cfg.window, longdep_threshold=cfg.longdep_threshold,
+        sinks=cfg.sinks, window=cfg.window, window_fraction=cfg.window_fraction, lam=cfg.lam,
+        longdep_threshold=cfg.longdep_threshold,
         continuation_tokens=cfg.cont_tokens(), agreement_tokens=cfg.agreement_tokens,
         reference_length=cfg.reference_length, budgets=tuple(budgets), policy_kwargs=dict(cfg.policy_kwargs or {}),
     )  # fmt: skip
