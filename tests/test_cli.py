@@ -98,3 +98,18 @@ def test_demo_prompt_is_a_few_thousand_tokens():
     except FileNotFoundError as exc:  # the paul_graham corpus is part of the setup
         pytest.skip(str(exc))
     assert 15_000 < len(text) < 40_000 and text.endswith("?")
+
+
+def test_info_shows_the_split_and_lam_the_cache_would_use(tiny, capsys):
+    import json
+
+    root, _ = tiny
+    assert main(["info", "--model", str(root / "model"), "--policy", "h2o", "--budget", "16", "--lam", "0.01", "--json"]) == 0
+    budget = json.loads(capsys.readouterr().out)["budget"]
+    assert budget == {"policy": "h2o", "sinks": 4, "window": 2, "k": 10, "B": 16, "lam": 0.01}
+    # the default policy is the shipped scorer, trained for SmolLM2: on another model, the library's split
+    assert main(["info", "--model", str(root / "model"), "--budget", "16", "--json"]) == 0
+    budget = json.loads(capsys.readouterr().out)["budget"]
+    assert budget["policy"] == "knorm" and budget["window"] == 2 and budget["lam"] == 0.0
+    # a learned policy named explicitly on the wrong model is the usual clear error
+    assert main(["info", "--model", str(root / "model"), "--policy", "kvpop", "--budget", "16"]) == 2

@@ -128,23 +128,10 @@ def teacher_mode(model) -> Iterator[Any]:
         yield model
 
 
-class _BaseView:
-    """The base model as ``model_fingerprint`` sees it: peft wrappers and LoRA weights hidden."""
-
-    def __init__(self, model):
-        self.config = model.config
-        self._model = model.get_base_model() if _is_peft(model) else model
-
-    def named_parameters(self):
-        for name, p in self._model.named_parameters():
-            if "lora_" in name:
-                continue
-            yield name.replace(".base_layer.", "."), p
-
-
 def base_fingerprint(model) -> dict[str, Any]:
-    """``kvpop.checkpoint.model_fingerprint`` of the base model, also through a peft wrapper."""
-    return model_fingerprint(_BaseView(model))
+    """``kvpop.checkpoint.model_fingerprint`` of the base model; it reads through a peft wrapper
+    (unmerged LoRA weights do not change the base weights)."""
+    return model_fingerprint(model)
 
 
 # --------------------------------------------------------------------------------------------

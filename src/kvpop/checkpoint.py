@@ -66,9 +66,15 @@ def config_fingerprint(config) -> dict[str, Any]:
 
 
 def model_fingerprint(model) -> dict[str, Any]:
-    """:func:`config_fingerprint` plus a hash of a few weights of the base model."""
+    """:func:`config_fingerprint` plus a hash of a few weights of the base model.
+
+    Names are read through a ``peft`` wrapper (``base_model.model.`` prefix, ``.base_layer``), so a
+    model with unmerged LoRA adapters has its base model's fingerprint: the adapters do not change
+    the base weights a scorer was trained on.
+    """
     h = hashlib.sha256()
     for name, p in model.named_parameters():
+        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
         if name.endswith(("layers.0.self_attn.k_proj.weight", "embed_tokens.weight")):
             h.update(name.encode())
             h.update(p.detach().float().flatten()[:4096].cpu().numpy().round(5).tobytes())

@@ -92,11 +92,25 @@ def cmd_info(args) -> int:
     from .config import EvictionConfig
     from .models import model_summary
 
+    from .attention import detach
+    from .cache import KVpopCache
+    from .checkpoint import ScorerMismatchError
+
     model, _ = load_model_quietly(args.model)
     summary = model_summary(model.config, dtype=torch.float32)
-    ev = EvictionConfig.from_budget(**_budget_kwargs(args))
+    # the split a cache with this policy would use (a learned scorer's trained window and lam)
+    policy = args.policy or DEFAULT_POLICY
+    try:
+        cache = KVpopCache(model.config, policy=policy, **_cache_kwargs(args))
+    except ScorerMismatchError:
+        if args.policy is not None:
+            raise
+        policy = "knorm"  # no shipped scorer for this model: show the library's default split
+        cache = KVpopCache(model.config, policy=policy, **_cache_kwargs(args))
+    detach(model.config)
+    ev: EvictionConfig = cache.eviction
     per_token = summary["kv_bytes_per_token"]
-    summary["budget"] = {"sinks": ev.sinks, "window": ev.window, "k": ev.k, "B": ev.budget}
+    summary["budget"] = {"policy": policy, "sinks": ev.sinks, "window": ev.window, "k": ev.k, "B": ev.budget, "lam": ev.lam}
     summary["kv_bytes_bounded"] = per_token * ev.budget
     for n in (1024, 4096, 8192):
         summary[f"kv_bytes_dense_{n}"] = per_token * n
@@ -106,7 +120,7 @@ def cmd_info(args) -> int:
     for key in ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
         print(f"{key:>24}: {summary[key]}")
     print(f"{'KV bytes / token':>24}: {_human(per_token)} (fp32)")
-    print(f"{'budget':>24}: B={ev.budget} (sinks {ev.sinks} + window {ev.window} + k {ev.k}) -> {_human(per_token * ev.budget)} per sequence, however long")
+    print(f"{'budget':>24}: B={ev.budget} (sinks {ev.sinks} + window {ev.window} + k {ev.k}, lam {ev.lam:g}; policy {policy}) -> {_human(per_token * ev.budget)} per sequence, however long")
     for n in (1024, 4096, 8192):
         saved = 1 - min(ev.budget, n) / n
         print(f"{'dense at ' + str(n):>24}: {_human(per_token * n)}  (budget saves {saved:.0%})")
@@ -198,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("info", help="model config, KV bytes per token, what a budget saves")
     _add_model(pi)
     _add_budget(pi)
+    pi.add_argument("--policy", choices=[n for n in EVICTION_POLICIES if n != "dense"], default=None,
+                    help=f"show the budget split this policy uses (a learned scorer: its trained window and lam; "
+                         f"default {DEFAULT_POLICY}, or the library default on a model without a shipped scorer)")
     pi.add_argument("--json", action="store_true", help="print JSON")
 
     pg = sub.add_parser("generate", help="generate text with a bounded KV cache; prints KV held vs dense and tokens/s")
