@@ -51,3 +51,12 @@ def test_shipped_scorers_fit_the_embedded_model_and_are_the_default(real):
     res = kvpop.generate(model, tok, "The capital of France is", budget=24, window=8, max_new_tokens=6)
     assert res.cache.policy.name == "kvpop" and res.new_tokens >= 1
     assert res.kv_bytes == kvpop.kv_bytes_per_token(model.config) * 24
+
+
+def test_shipped_scorers_default_to_their_trained_window(real):
+    """Trained at B = 512 and 1024 with window B/2: a cache at those budgets uses that window by default."""
+    model, _ = real
+    for name in ("kvpop", "kvpop-mlp"):
+        for budget in (512, 1024):
+            cache = kvpop.KVpopCache(model.config, budget=budget, policy=name)
+            assert cache.eviction.window == budget // 2 and cache.eviction.lam == 0.0

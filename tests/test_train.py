@@ -210,3 +210,23 @@ def test_noisy_oracle_diagnostic(tmp_path, docs):
     assert 0 < res["streaming"] <= 1.2 and len(exact["per_doc"]) == 2
     plot_noisy_oracle(res, tmp_path / "n.png")
     assert (tmp_path / "n.png").stat().st_size > 0
+
+
+def test_noisy_oracle_places_learned_scorers_on_the_same_documents(tmp_path, docs):
+    from kvpop.checkpoint import model_fingerprint, save_scorer
+    from kvpop.scorers import ScorerConfig, build_scorer
+    from kvpop.train.diagnose import noisy_oracle, plot_noisy_oracle
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    cfg = _cfg(tmp_path, docs)
+    path = save_scorer(build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16, observed=(None, 1))),
+                       tmp_path / "s.safetensors", {"fingerprint": model_fingerprint(model)})  # fmt: skip
+    plain = noisy_oracle(model, tok, cfg, 24, [0.0], n_docs=2, progress=False)
+    res = noisy_oracle(model, tok, cfg, 24, [0.0], n_docs=2, progress=False, scorers={"s": str(path)})
+    # the targets read through the training capture are the oracle's own: same retention
+    assert res["sigmas"]["0.0"]["retention"] == pytest.approx(plain["sigmas"]["0.0"]["retention"], rel=1e-6)
+    assert plain["scorers"] == {}
+    s = res["scorers"]["s"]
+    assert -1 <= s["rank_correlation"] < 0.99 and 0 < s["retention"] <= 1.2 and len(s["per_doc"]) == 2
+    plot_noisy_oracle(res, tmp_path / "n.png", {"s": (s["rank_correlation"], s["retention"])})
+    assert (tmp_path / "n.png").stat().st_size > 0

@@ -7,6 +7,11 @@ the window-exit rule needs to beat StreamingLLM at a budget, and how far a learn
 given rank correlation should get if its errors were unstructured.
 
     kvpop diagnose noisy-oracle --budget 512 --docs 4 --sigmas 0 0.5 1 2 --out results/diagnostics
+
+With ``--scorer NAME=PATH`` (default: the shipped scorers) each learned scorer is measured on the
+same documents, retention under the cache and the rank correlation of its exit scores with the
+truth, and drawn on the same plot: a scorer below the noisy-oracle curve at its rank correlation
+makes errors that cost more than unstructured noise does.
 """
 
 from __future__ import annotations
@@ -21,11 +26,11 @@ import torch
 
 from ..cache import make_cache
 from ..capture import collect
-from ..checkpoint import atomic_write
+from ..checkpoint import DEFAULT_SCORERS, atomic_write, load_scorer
 from ..evaluate.core import DenseCache, Sums, hidden_states, sums_from_hidden
-from ..policies import OraclePolicy
+from ..policies import LearnedPolicy, OraclePolicy
 from .config import TrainConfig
-from .data import SequenceSource
+from .data import SequenceSource, capture_example
 from .labels import _spearman
 from .quality import VALIDATION_SEED
 
@@ -56,8 +61,10 @@ def _rank_corr(noisy: list[torch.Tensor], true: list[torch.Tensor], window: int)
 
 @torch.no_grad()
 def noisy_oracle(model, tokenizer, cfg: TrainConfig, budget: int, sigmas, n_docs: int, seed: int = 0,
-                 progress: bool = True) -> dict:  # fmt: skip
+                 progress: bool = True, scorers: dict[str, str] | None = None) -> dict:  # fmt: skip
     ev = cfg.eviction(budget)
+    loaded = {name: load_scorer(path, model=model)[0] for name, path in (scorers or {}).items()}
+    learned: dict[str, dict] = {name: {"sums": Sums(), "rank_correlation": [], "per_doc": []} for name in loaded}
     source = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED)
     docs = [source.get(j) for j in range(n_docs)]
     dense = DenseCache()
@@ -70,9 +77,27 @@ def noisy_oracle(model, tokenizer, cfg: TrainConfig, budget: int, sigmas, n_docs
         s = sums_from_hidden(model, dh, ph, ids, budget)
         streaming = streaming.add(s)
         per_doc_stream.append(s.metrics()["retention"])
-    for di, (_, ids) in enumerate(docs):
-        true = [c.target for c in collect(model, ids.view(1, -1), window=ev.window)]
+    for di, (corpus, ids) in enumerate(docs):
         dh, _ = dense.get(model, ids)
+        if loaded:
+            obs = next((sc.config.observed for sc in loaded.values() if sc.config.observed), ())
+            ex = capture_example(model, ids.view(1, -1), [ev.window], ev.sinks, obs, [corpus]).float()
+            true = list(ex.targets[ev.window])
+            for name, sc in loaded.items():
+                o = ex.observed.get(ev.window) if sc.config.observed else None
+                scores = [sc.forward_layer(i, ex.keys[i], ex.values[i], ev.window, observed=None if o is None else o[i])
+                          for i in range(len(true))]  # fmt: skip
+                cache = make_cache(model, LearnedPolicy(sc, source=str(scorers[name])), budget=budget,
+                                   window=ev.window, sinks=ev.sinks, lam=ev.lam)  # fmt: skip
+                s = sums_from_hidden(model, dh, hidden_states(model, ids, cache), ids, budget)
+                r = learned[name]
+                r["sums"] = r["sums"].add(s)
+                r["rank_correlation"].append(_rank_corr(scores, true, ev.window))
+                r["per_doc"].append(s.metrics()["retention"])
+                if progress:
+                    print(f"[noisy-oracle] doc {di} {name}: retention {s.metrics()['retention']:.4f}", file=sys.stderr)
+        else:
+            true = [c.target for c in collect(model, ids.view(1, -1), window=ev.window)]
         for sigma in sigmas:
             t0 = time.perf_counter()
             noisy = _noisy(true, sigma, seed + di) if sigma > 0 else true
@@ -95,7 +120,16 @@ def noisy_oracle(model, tokenizer, cfg: TrainConfig, budget: int, sigmas, n_docs
             "per_doc": r["per_doc"],
             "wins_vs_streaming": sum(a > b for a, b in zip(r["per_doc"], per_doc_stream)),
         }  # fmt: skip
+    out["scorers"] = {}
+    for name, r in learned.items():
+        m = r["sums"].metrics()
+        out["scorers"][name] = {
+            "path": str(scorers[name]), "retention": m["retention"], "kl": m["kl"],
+            "rank_correlation": sum(r["rank_correlation"]) / len(r["rank_correlation"]),
+            "per_doc": r["per_doc"], "wins_vs_streaming": sum(a > b for a, b in zip(r["per_doc"], per_doc_stream)),
+        }  # fmt: skip
     return out
+
 
 
 def plot_noisy_oracle(result: dict, path: Path, scorers: dict | None = None) -> None:
@@ -130,8 +164,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--sigmas", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0, 2.0])
     p.add_argument("--model", default=None)
+    p.add_argument("--scorer", action="append", default=None, metavar="NAME=PATH",
+                   help="a learned scorer to place on the plot (repeatable; default: the shipped ones on the "
+                        "embedded model, none on another model; 'none' for none)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.scorer is None:
+        scorers = {} if args.model else {f"kvpop ({k})": str(v) for k, v in DEFAULT_SCORERS.items()}
+    elif args.scorer == ["none"]:
+        scorers = {}
+    else:
+        bad = [x for x in args.scorer if "=" not in x]
+        if bad:
+            p.error(f"--scorer expects NAME=PATH, got {bad[0]!r}")
+        scorers = dict(x.split("=", 1) for x in args.scorer)
+        missing = [v for v in scorers.values() if not Path(v).is_file()]
+        if missing:
+            p.error(f"--scorer: no scorer checkpoint at {missing[0]}")
     cfg = TrainConfig(budgets=(args.budget,), window_fraction=args.window_fraction, seq_len=args.seq_len,
                       model=args.model)  # fmt: skip
     cfg.validate()
@@ -139,11 +188,12 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tok = load_model(args.model, progress=False)
     t0 = time.perf_counter()
-    res = noisy_oracle(model, tok, cfg, args.budget, args.sigmas, args.docs)
+    res = noisy_oracle(model, tok, cfg, args.budget, args.sigmas, args.docs, scorers=scorers)
     res["wall_s"] = time.perf_counter() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "noisy_oracle.json", lambda tmp: Path(tmp).write_text(json.dumps(res, indent=1)))
-    plot_noisy_oracle(res, out / "noisy_oracle.png")
-    print(json.dumps({k: v for k, v in res.items() if k != "streaming_per_doc"}, indent=1))
+    plot_noisy_oracle(res, out / "noisy_oracle.png",
+                      {n: (v["rank_correlation"], v["retention"]) for n, v in res["scorers"].items()})
+    print(json.dumps({k: v for k, v in res.items() if k != "streaming_per_doc"}, indent=1, default=str))
     return 0
