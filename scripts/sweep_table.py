@@ -1,6 +1,6 @@
 """Collect the sweep's runs (runs/sweep/*/summary.json) into a markdown table and a JSON file.
 
-    python scripts/sweep_table.py [runs/sweep] [--json results/sweep.json]
+    python scripts/sweep_table.py [runs/sweep runs/final ...] [--json results/sweep.json]
 """
 
 import argparse
@@ -10,17 +10,17 @@ from pathlib import Path
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("folder", nargs="?", default="runs/sweep")
+    p.add_argument("folders", nargs="*", default=["runs/sweep"])
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rows = []
-    for summ in sorted(Path(args.folder).glob("*/summary.json")):
+    for summ in [f for folder in args.folders for f in sorted(Path(folder).glob("*/summary.json"))]:
         s = json.loads(summ.read_text())
         cfg = s["config"]
         val = next((h["val"] for h in reversed(s["history"]) if "val" in h), None)
         if val is None:
             continue
-        row = {"run": summ.parent.name, "kind": cfg["scorer"], "budgets": cfg["budgets"],
+        row = {"run": f"{summ.parent.parent.name}/{summ.parent.name}", "kind": cfg["scorer"], "budgets": cfg["budgets"],
                "window_fraction": cfg["window_fraction"], "observed": cfg["observed"], "position_free": cfg["position_free"],
                "tilt": cfg["tilt"], "loss": cfg["loss"], "weighting": cfg["weighting"], "hidden": cfg["hidden"],
                "lam": cfg["lam"], "steps": s["steps"], "tokens_seen": s["tokens_seen"],

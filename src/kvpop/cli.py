@@ -93,7 +93,7 @@ def cmd_info(args) -> int:
     from .models import model_summary
 
     from .attention import detach
-    from .cache import KVpopCache
+    from .cache import make_cache
     from .checkpoint import ScorerMismatchError
 
     model, _ = load_model_quietly(args.model)
@@ -101,12 +101,12 @@ def cmd_info(args) -> int:
     # the split a cache with this policy would use (a learned scorer's trained window and lam)
     policy = args.policy or DEFAULT_POLICY
     try:
-        cache = KVpopCache(model.config, policy=policy, **_cache_kwargs(args))
+        cache = make_cache(model, policy, **_cache_kwargs(args))
     except ScorerMismatchError:
         if args.policy is not None:
             raise
         policy = "knorm"  # no shipped scorer for this model: show the library's default split
-        cache = KVpopCache(model.config, policy=policy, **_cache_kwargs(args))
+        cache = make_cache(model, policy, **_cache_kwargs(args))
     detach(model.config)
     ev: EvictionConfig = cache.eviction
     per_token = summary["kv_bytes_per_token"]
