@@ -1,6 +1,7 @@
 """Install a trained scorer as the package's shipped default, with a summary beside it.
 
-    python scripts/ship_scorer.py runs/final/mlstm --capture-seconds 5400 --command "..."
+    python scripts/ship_scorer.py runs/final/mlstm --command "kvpop train ..." --unique-tokens 516096 \
+        [--capture-command "..." --capture-wall-seconds S]
 
 Copies DIR/best.safetensors (the checkpoint with the best validation retention under the real
 cache) to src/kvpop/assets/scorers/smollm2-135m-instruct-<kind>.safetensors and writes

@@ -89,12 +89,11 @@ def _cache_kwargs(args) -> dict:
 def cmd_info(args) -> int:
     import torch
 
-    from .config import EvictionConfig
-    from .models import model_summary
-
     from .attention import detach
     from .cache import make_cache
     from .checkpoint import ScorerMismatchError
+    from .config import EvictionConfig
+    from .models import model_summary
 
     model, _ = load_model_quietly(args.model)
     summary = model_summary(model.config, dtype=torch.float32)
