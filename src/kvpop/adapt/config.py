@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..adapters import DEFAULT_LORA_TARGETS
 from ..config import EvictionConfig
+from ..policies.learned import trained_window
 from ..train.config import TRAIN_CORPORA
 
 MASKS = ("kvpop", "streaming")
@@ -109,14 +110,8 @@ class AdaptConfig:
             return int(self.window)
         if self.window_fraction is not None:
             return max(1, round(self.window_fraction * budget))
-        tf = self._trained_for()
-        if str(budget) in (tf.get("windows") or {}):
-            return int(tf["windows"][str(budget)])
-        if tf.get("window_fraction"):
-            return max(1, round(float(tf["window_fraction"]) * budget))
-        if tf.get("window") is not None:
-            return int(tf["window"])
-        return max(1, budget // 8)
+        window = trained_window(self._trained_for(), budget)
+        return max(1, budget // 8) if window is None else window
 
     def lam_value(self) -> float:
         if self.mask == "streaming":

@@ -25,6 +25,7 @@ from ..cache import make_cache
 from ..checkpoint import load_scorer
 from ..evaluate.core import Sums, hidden_states, sums_from_hidden
 from ..policies import LearnedPolicy
+from ..policies.learned import trained_window
 from ..train.data import SequenceSource
 from ..train.quality import VALIDATION_SEED
 from .config import AdaptConfig
@@ -122,13 +123,8 @@ class AdaptProbe:
 def _window(tf: dict, budget: int, windows: dict | None) -> int:
     if windows and budget in windows:
         return int(windows[budget])
-    if str(budget) in (tf.get("windows") or {}):
-        return int(tf["windows"][str(budget)])
-    if tf.get("window_fraction"):
-        return max(1, round(float(tf["window_fraction"]) * budget))
-    if tf.get("window") is not None:
-        return int(tf["window"])
-    return max(1, budget // 8)
+    window = trained_window(tf, budget)
+    return max(1, budget // 8) if window is None else window
 
 
 @torch.no_grad()

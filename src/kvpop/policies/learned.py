@@ -25,6 +25,19 @@ from .base import ExitBatch, Policy
 KIND_TO_POLICY = {"mlstm": "kvpop", "mlp": "kvpop-mlp"}
 
 
+def trained_window(trained_for: dict, budget: int) -> int | None:
+    """The window a checkpoint's ``trained_for`` metadata implies at ``budget``: the trained window
+    at that budget, else its window fraction, else its single window; None if it records none."""
+    windows = trained_for.get("windows") or {}
+    if str(budget) in windows:
+        return int(windows[str(budget)])
+    if trained_for.get("window_fraction"):
+        return max(1, round(float(trained_for["window_fraction"]) * budget))
+    if trained_for.get("window") is not None:
+        return int(trained_for["window"])
+    return None
+
+
 class LearnedPolicy(Policy):
     name = "kvpop"
 
@@ -52,15 +65,7 @@ class LearnedPolicy(Policy):
 
     def default_window(self, budget: int) -> int | None:
         """The window the scorer was trained with at this budget (its window fraction at other budgets)."""
-        tf = self.trained_for
-        windows = tf.get("windows") or {}
-        if str(budget) in windows:
-            return int(windows[str(budget)])
-        if tf.get("window_fraction"):
-            return max(1, int(round(float(tf["window_fraction"]) * budget)))
-        if tf.get("window") is not None:
-            return int(tf["window"])
-        return None
+        return trained_window(self.trained_for, budget)
 
     def default_lam(self) -> float | None:
         lam = self.trained_for.get("lam")
