@@ -20,7 +20,7 @@ import warnings
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import rule
+from . import fused, rule
 from .attention import NAME as ATTN_NAME
 from .attention import KVpopOffset, attach
 from .config import EvictionConfig, attention_shape, budget_of_compression, check_full_attention
@@ -56,6 +56,8 @@ class KVpopLayer(CacheLayerMixin):
         self.seen = 0  # tokens fed to this layer, padding included (drives position ids)
         self.fast_decode = True  # single-token steps update the buffers in place (False: always the chunk path)
         self.timer: dict[str, float] | None = None  # set to {} to accumulate decode seconds per phase (benchmarks)
+        self.compile = False  # torch.compile the steady decode step (KVpopCache(compile=True))
+        self.steady = True  # the fused steady decode step (False: always the general path, for tests)
 
     # --- transformers' CacheLayerMixin -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -161,9 +163,13 @@ class KVpopLayer(CacheLayerMixin):
         b, _, c, _ = query.shape
         if valid is None:
             valid = torch.ones(b, c, dtype=torch.bool, device=query.device)
-        _check_padding(valid, self.n_real)
+        elif self.layer_idx == 0 or c > 1:  # every layer of a step gets the same padding mask: check it once
+            _check_padding(valid, self.n_real)
         if c == 1 and self.fast_decode and bool(valid.all()):
-            out = self._attend_decode(query, key_new, value_new, scaling)
+            if self.steady and self.min_real >= self.cfg.budget and self.cfg.k > 0:  # every slot held, every row exits
+                out = self._attend_steady(query, key_new, value_new, scaling)
+            else:
+                out = self._attend_decode(query, key_new, value_new, scaling)
             self.seen += 1
             return out.transpose(1, 2)
         outs = []
@@ -173,6 +179,63 @@ class KVpopLayer(CacheLayerMixin):
             outs.append(self._attend_chunk(query[:, :, sl], key_new[:, :, sl], value_new[:, :, sl], valid[:, sl], scaling))
         self.seen += c
         return torch.cat(outs, dim=2).transpose(1, 2)
+
+    def _attend_steady(self, q, k_new, v_new, scaling):
+        """The decode steady state through ``kvpop.fused`` (compiled with ``compile=True``).
+
+        Same decisions and outputs as :meth:`_attend_decode` (tests hold them together); a learned
+        policy is scored inside the fused function, any other policy through its ``score``.
+        """
+        timer = self.timer
+        t0 = time.perf_counter() if timer is not None else 0.0
+        spec = self._step_spec(scaling)
+        pol, t = self.policy, self.n_real
+        obs = self.observed if pol.needs_attention else None
+        kernel = pol.decode_kernel(self.layer_idx, self.cfg.window)
+        args = (q, k_new, v_new, self._k, self._v, self._slot_index, self._lr_prio, obs, t)
+        if kernel is not None:
+            out, obs, self.policy_state = self._fused("steady_learned", spec, *kernel, self.policy_state, *args)
+            if timer is not None:
+                _tick(timer, "fused", t0)
+        else:
+            ex_k, ex_v, ex_obs = fused.exit_gather(spec, self._k, self._v, obs, t)
+            b, h = ex_k.shape[:2]
+            w = self.cfg.window
+            batch = ExitBatch(self.layer_idx, ex_k, ex_v, (t - w).view(b, 1), k_new, v_new, t.view(b, 1), ex_obs, True, w)
+            self.policy_state, prio = pol.score(self.policy_state, batch)
+            prio = prio.float().view(b, h)
+            if torch.isnan(prio).any():
+                raise RuntimeError(f"policy {pol.name} returned NaN scores at layer {self.layer_idx}")
+            if timer is not None:
+                t0 = _tick(timer, "score", t0)
+            out, obs = self._fused("steady_tail", spec, *args, ex_k, ex_v, prio)
+            if timer is not None:
+                _tick(timer, "fused", t0)
+        if obs is not None:
+            self.observed = obs
+        self.n_real = t + 1
+        self.min_real += 1
+        return out
+
+    def _step_spec(self, scaling: float) -> fused.StepSpec:
+        spec = self.__dict__.get("_spec")
+        if spec is None or spec.scaling != scaling:
+            c = self.cfg
+            spec = self._spec = fused.StepSpec(c.sinks, c.window, c.k, float(scaling), float(c.lam), tuple(self.obs_windows))
+        return spec
+
+    def _fused(self, name: str, *args):
+        """``kvpop.fused.<name>(*args)``, compiled when ``self.compile``; a compiler that fails here
+        turns compilation off for this layer with a warning (the eager function gives the same result)."""
+        fn = getattr(fused, name)
+        if self.compile:
+            try:
+                return fused.compiled(name)(*args)
+            except Exception as exc:  # noqa: BLE001 (no C++ compiler, an unsupported platform, ...: any failure)
+                self.compile = False
+                warnings.warn(f"torch.compile of the decode step failed ({type(exc).__name__}: {exc}); "
+                              "running it eagerly", RuntimeWarning, stacklevel=3)
+        return fn(*args)
 
     def _attend_decode(self, q, k_new, v_new, scaling):
         """One new token per row, all rows real: in-place update of the fixed buffers, attention over B slots.
@@ -420,6 +483,11 @@ class KVpopCache(Cache):
     model it raises ``ScorerMismatchError`` (train one with ``kvpop train`` and pass ``path=``, or
     name a heuristic policy such as ``"h2o"``).
 
+    ``compile=True`` runs the decode steady state (every slot held, one token per step) through
+    ``torch.compile`` (``kvpop.fused``): the first step compiles for a few seconds, later steps
+    spend less time outside the model's own matmuls; without a working compiler it warns and runs
+    eagerly. The decisions are the same either way.
+
     Creating the cache switches ``model.config``'s attention implementation to ``"kvpop"``
     and leaves it so: for any other cache (or none) that routing is a no-op, bit for bit, also
     after this cache is gone. ``kvpop.detach(model.config)`` restores the previous name.
@@ -439,9 +507,12 @@ class KVpopCache(Cache):
         lam: float | None = None,
         prefill_chunk: int | None = None,
         eviction: EvictionConfig | None = None,
+        compile: bool = False,
         **policy_kwargs,
     ):
         check_full_attention(config)
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile must be True or False, got {compile!r}")
         if eviction is not None and any(v is not None for v in (budget, k, compression, reference_length, window)):
             raise ValueError("give either eviction=EvictionConfig(...) or budget/k/compression/window, not both")
         pol = get_policy(policy, **policy_kwargs)
@@ -486,6 +557,7 @@ class KVpopCache(Cache):
         text = config.get_text_config(decoder=True)
         for layer in self.layers:
             layer.model_config = text
+            layer.compile = compile
 
     @property
     def budget(self) -> int:
@@ -513,6 +585,7 @@ def make_cache(
     lam: float | None = None,
     prefill_chunk: int | None = None,
     eviction: EvictionConfig | None = None,
+    compile: bool = False,
     **policy_kwargs,
 ) -> KVpopCache | None:
     """A cache for ``model`` under ``policy``: ``None`` for ``"dense"`` (transformers' own cache).
@@ -528,5 +601,6 @@ def make_cache(
         policy_kwargs.setdefault("model", model)
     return KVpopCache(
         model.config, budget, k=k, compression=compression, reference_length=reference_length, window=window,
-        sinks=sinks, policy=policy, lam=lam, prefill_chunk=prefill_chunk, eviction=eviction, **policy_kwargs,
+        sinks=sinks, policy=policy, lam=lam, prefill_chunk=prefill_chunk, eviction=eviction, compile=compile,
+        **policy_kwargs,
     )  # fmt: skip

@@ -151,6 +151,8 @@ def cmd_generate(args) -> int:
     model, tok = load_model_quietly(args.model)
     print(f"[kvpop] model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     kwargs = {} if policy == "dense" else _cache_kwargs(args)
+    if policy != "dense":
+        kwargs["compile"] = args.compile
     res = generate(model, tok, prompt, policy=policy, policy_kwargs=policy_kwargs, max_new_tokens=args.max_new_tokens,
                    chat=args.chat, **kwargs)  # fmt: skip
     print(res.text)
@@ -231,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--scorer", metavar="PATH", default=None,
                     help="a scorer checkpoint (.safetensors from kvpop train); its kind picks kvpop or kvpop-mlp")  # fmt: skip
     pg.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    pg.add_argument("--compile", action="store_true",
+                    help="torch.compile the cache's steady decode step (a few seconds once, faster steps after)")
 
     pb = sub.add_parser("bench", help="benchmarks (write JSON); `kvpop bench NAME --help` for a benchmark's options")
     pb.add_argument("what", choices=BENCHMARKS)

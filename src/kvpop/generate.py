@@ -85,6 +85,7 @@ def generate(
     max_new_tokens: int = 128,
     chat: bool = False,
     allow_position_overflow: bool = False,
+    compile: bool = False,
     policy_kwargs: dict | None = None,
     **generate_kwargs,
 ) -> GenerationResult:
@@ -95,7 +96,8 @@ def generate(
     ``{"path": "scorer.safetensors"}``). The budget is ``budget=B``, ``k=K`` (+ ``window``), or
     ``compression=r`` with ``reference_length=L``; ``window`` and the recency tilt ``lam``
     default to what a learned scorer was trained with (else ``B // 8`` and 0). ``chat=True``
-    wraps each prompt in the tokenizer's chat template.
+    wraps each prompt in the tokenizer's chat template. ``compile=True`` compiles the cache's
+    steady decode step (``KVpopCache(compile=True)``): a few seconds once, faster steps after.
     """
     if isinstance(policy, str) and policy != DENSE and policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {DENSE}, {', '.join(sorted(POLICIES))}")
@@ -119,6 +121,7 @@ def generate(
         window=window,
         sinks=sinks,
         lam=lam,
+        compile=compile,
         **(policy_kwargs or {}),
     )
     if chat:

@@ -1,10 +1,16 @@
-"""``kvpop bench overhead``: the share of a decode step spent scoring and evicting, per policy.
+"""``kvpop bench overhead``: one decode step of every policy next to the floor and dense, in one run.
 
-Every policy gets the same budget and the same text, prefilled to ``--context`` tokens; then
-``--steps`` single-token decode steps are timed as a whole (the model forward) while the cache
-accumulates the seconds spent in its phases: ``score`` (gathering the exiting token and the
-policy's scoring, including the mLSTM state update), ``evict`` (the rule and the in-place
-buffer writes) and ``attend``.
+What a bounded cache can win on decode is set by bytes moved: the weights plus ``B`` slots of KV.
+The **floor** is the model with a plain static cache of ``B`` slots (transformers' ``StaticCache``:
+no scoring, no eviction, attention over ``B`` slots); **dense** holds the whole context. Every
+cache is prefilled to ``--context`` tokens of the same text (the floor to just under ``B``), then
+all of them take turns: ``--rounds`` rounds of ``--steps`` single-token steps each, so slow drifts
+of a noisy machine hit every row alike, and each row's median step is divided by the floor's and
+by dense's medians from the same run. ``overhead_share = 1 - floor / step`` is the part of a
+step beyond the floor (the scorer, the rule, the writes and the cache's attention path);
+``score_ms`` / ``rule_attend_ms`` split the eager steady path where it runs in phases. Learned
+policies also run with ``compile=True`` (``name+compile``); their first step's extra time is the
+compile time.
 
     kvpop bench overhead --budget 512 --context 8000 --out results/bench_overhead
 """
@@ -17,57 +23,132 @@ from pathlib import Path
 
 import torch
 
-from .common import cache_for_spec, text_ids, write_json
+from .common import median, text_ids, write_json
+
+
+def _plot(result: dict, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["name"] not in ("floor", "dense")]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    names = [r["name"] for r in rows]
+    ax.barh(names, [r["step_ms"] for r in rows], color=["tab:orange" if "compile" in n else "tab:blue" for n in names])
+    floor, dense = result["floor_ms"], result["dense_ms"]
+    ax.axvline(floor, color="k", ls="--", label=f"floor: static cache of B={result['budget']} ({floor:.1f} ms)")
+    ax.axvline(1.1 * floor, color="k", ls=":", label="1.10 x floor")
+    ax.axvline(dense, color="tab:red", ls="--", label=f"dense at {result['context']} tokens ({dense:.1f} ms)")
+    for i, r in enumerate(rows):
+        ax.text(r["step_ms"], i, f" {r['vs_floor']:.2f}x floor", va="center", fontsize=8)
+    ax.set_xlabel(f"median decode step (ms), {result['threads']} thread(s)")
+    ax.set_title(f"Decode step at {result['context']} tokens, B = {result['budget']} (one run, interleaved)")
+    ax.set_xlim(0, max(dense, max(r["step_ms"] for r in rows)) * 1.25)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path = out.with_suffix(".png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvpop bench overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default=None, help="comma list (default: every policy that can generate)")
+    p.add_argument("--compile", default="kvpop,kvpop-mlp",
+                   help="policies also run with compile=True (comma list; '' for none)")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--context", type=int, default=8000)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=8, help="steps per row per round")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results/bench_overhead")
     args = p.parse_args(argv)
-    from .. import POLICIES, policy_names
+    from transformers import DynamicCache, StaticCache
+
+    from .. import POLICIES, make_cache, policy_names
     from ..cli import load_model_quietly
 
     names = [n for n in (args.policies or ",".join(policy_names(dense=False, teacher_forced=False))).split(",") if n]
-    unknown = [n for n in names if n not in POLICIES]
+    compiled = [n for n in args.compile.split(",") if n]
+    unknown = [n for n in names + compiled if n not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; known: {sorted(POLICIES)}")
+    total_steps = args.steps * args.rounds
+    if args.budget <= total_steps + 2:
+        raise SystemExit(f"--budget must exceed --steps x --rounds + 2 = {total_steps + 2} (the floor's static cache fills)")
+    torch.set_num_threads(args.threads)
     model, tok = load_model_quietly(args.model)
     limit = model.config.max_position_embeddings
-    if args.context + args.steps + 1 > limit:
-        raise SystemExit(f"--context + --steps needs {args.context + args.steps + 1} positions; the model has {limit}")
-    ids = text_ids(tok, args.context + args.steps + 1)
-    rows = []
-    for name in names:
+    if args.context + total_steps + 1 > limit:
+        raise SystemExit(f"--context + steps x rounds needs {args.context + total_steps + 1} positions; the model has {limit}")
+    ids = text_ids(tok, args.context + total_steps + 1)
+
+    def prefill(cache, length: int) -> None:
+        for start in range(0, length, 1024):
+            model(ids[:, start : min(length, start + 1024)], cache=cache, logits_to_keep=1)
+
+    rows: dict[str, dict] = {}
+    floor_len = args.budget - total_steps - 1
+    floor = StaticCache(config=model.config, max_cache_len=args.budget)
+    prefill(floor, floor_len)
+    rows["floor"] = {"cache": floor, "pos": floor_len}
+    dense = DynamicCache(config=model.config)
+    prefill(dense, args.context)
+    rows["dense"] = {"cache": dense, "pos": args.context}
+    for name in names + [f"{n}+compile" for n in compiled]:
+        base = name.removesuffix("+compile")
         try:
-            cache = cache_for_spec(model, f"{name}@{args.budget}")
+            cache = make_cache(model, base, budget=args.budget, compile=name.endswith("+compile"))
         except (FileNotFoundError, ValueError) as exc:  # e.g. no shipped scorer of that kind, or not for this model
             print(f"skip {name}: {exc}")
             continue
-        model(ids[:, : args.context], cache=cache)
+        prefill(cache, args.context)
+        t0 = time.perf_counter()
+        model(ids[:, args.context : args.context + 1], cache=cache)  # the first steady step (compiles, if asked)
+        first = time.perf_counter() - t0
         for layer in cache.layers:
             layer.timer = {}
-        t0 = time.perf_counter()
-        for i in range(args.context, args.context + args.steps):
-            model(ids[:, i : i + 1], cache=cache)
-        total = time.perf_counter() - t0
-        phases = {k: sum(layer.timer.get(k, 0.0) for layer in cache.layers) for k in ("score", "evict", "attend")}
-        row = {
-            "policy": name,
-            "step_ms": 1000 * total / args.steps,
-            **{f"{k}_ms": 1000 * v / args.steps for k, v in phases.items()},
-            "score_evict_share": (phases["score"] + phases["evict"]) / total,
-        }
-        rows.append(row)
-        print(f"{name:>10}: step {row['step_ms']:.1f} ms, score {row['score_ms']:.2f} ms, evict {row['evict_ms']:.2f} ms "
-              f"-> scoring+eviction {row['score_evict_share']:.1%} of the step")
-    write_json({"budget": args.budget, "context": args.context, "steps": args.steps,
-                "threads": torch.get_num_threads(), "rows": rows}, Path(args.out).with_suffix(".json"))
+        rows[name] = {"cache": cache, "pos": args.context + 1, "first_s": first}
+    for r in rows.values():
+        r["times"] = []
+    from tqdm import tqdm
+
+    for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
+        for r in rows.values():
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                model(ids[:, r["pos"] : r["pos"] + 1], cache=r["cache"])
+                r["times"].append(time.perf_counter() - t0)
+                r["pos"] += 1
+    floor_ms = 1000 * median(rows["floor"]["times"])
+    dense_ms = 1000 * median(rows["dense"]["times"])
+    out_rows = []
+    for name, r in rows.items():
+        step = 1000 * median(r["times"])
+        row = {"name": name, "step_ms": step, "vs_floor": step / floor_ms, "vs_dense": step / dense_ms,
+               "overhead_share": 1 - floor_ms / step, "steps": len(r["times"])}
+        if "first_s" in r:
+            row["first_step_s"] = r["first_s"]
+            phases: dict[str, float] = {}
+            for layer in r["cache"].layers:
+                for k, v in (layer.timer or {}).items():
+                    phases[k] = phases.get(k, 0.0) + v
+            if phases:
+                n = len(r["times"])
+                row["phase_ms"] = {k: 1000 * v / n for k, v in sorted(phases.items())}
+        out_rows.append(row)
+        print(f"{name:>16}: {step:6.1f} ms  {row['vs_floor']:.2f}x floor  {row['vs_dense']:.2f}x dense  "
+              f"overhead {row['overhead_share']:+.1%}")
+    result = {"budget": args.budget, "context": args.context, "steps": args.steps, "rounds": args.rounds,
+              "threads": torch.get_num_threads(), "floor_ms": floor_ms, "dense_ms": dense_ms,
+              "options": vars(args), "rows": out_rows}
+    out = Path(args.out)
+    write_json(result, out.with_suffix(".json"))
+    print(f"wrote {out.with_suffix('.json')} and {_plot(result, out)}")
     return 0
 
 

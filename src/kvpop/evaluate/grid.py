@@ -80,7 +80,7 @@ class Settings:
 def resolve_window(budget: int, window: int | None, fraction: float | None) -> int | None:
     if window is not None or fraction is None:
         return window
-    return max(1, int(round(fraction * budget)))
+    return max(1, round(fraction * budget))
 
 
 def units_of(item: Item, policies, budgets) -> list[tuple[str, int | None]]:

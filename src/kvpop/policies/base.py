@@ -110,5 +110,10 @@ class Policy:
     def score(self, state: State, batch: ExitBatch) -> tuple[State, torch.Tensor]:
         raise NotImplementedError
 
+    def decode_kernel(self, layer_idx: int, window: int) -> tuple | None:
+        """Optional: ``(DecodeSpec, params)`` of ``kvpop.scorers.decode`` to score the decode steady
+        state inside the cache's fused (optionally compiled) step; None: the cache calls :meth:`score`."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -93,10 +93,31 @@ class LearnedPolicy(Policy):
     def init_state(self, batch: int, num_kv_heads: int, layer_idx: int, device):
         return self.scorer[layer_idx].init_state(batch, device=device, dtype=torch.float32)
 
+    def decode_kernel(self, layer_idx: int, window: int):
+        """The scorer's decode spec and this layer's weights (detached views, kept between steps:
+        in-place weight updates show through them; the tilt is recomputed when it changes)."""
+        from ..scorers.decode import decode_params
+
+        theta = getattr(self.scorer, "tilt_theta", None)
+        version = None if theta is None else theta._version
+        memo = self.__dict__.setdefault("_kernels", {})
+        hit = memo.get((layer_idx, window))
+        if hit is None or hit[0] != version:
+            hit = memo[(layer_idx, window)] = (version, self.scorer.decode_spec(window), decode_params(self.scorer, layer_idx))
+        return hit[1], hit[2]
+
     @torch.no_grad()
     def score(self, state, batch: ExitBatch):
         c = batch.new_keys.shape[2]
         dev = batch.new_keys.device
+        if c == 1 and batch.all_valid and batch.keys.shape[2] == 1:
+            # decode: one new and one exiting token per row, the scorer's single-step fast path
+            b = batch.new_keys.shape[0]
+            state, scores = self.scorer.decode_scores(
+                batch.layer_idx, state, batch.new_keys, batch.new_values, batch.keys, batch.values,
+                batch.new_index.view(b), batch.index.view(b), batch.attention, batch.window,
+            )
+            return state, scores.unsqueeze(-1)
         mask = None if batch.all_valid else batch.new_index >= 0
         # decode (one new token): read after it, the scorer's single-step fast path
         read_steps = None if c == 1 else torch.arange(c, device=dev)

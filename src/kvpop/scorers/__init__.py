@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import BaseScorer, ScorerConfig, feature_dim, kv_features
+from .decode import DecodeSpec, decode_params, decode_scores, decode_spec
 from .mlp import KVpopMLP
 from .mlstm import KVpopMLSTM, MLSTMState
 
@@ -84,6 +85,7 @@ class ScorerStack(nn.ModuleList):
         with torch.no_grad():
             self.rope_inv_freq.copy_(spec.inv_freq)
         self.config.rope_scaling = float(spec.scaling)
+        self.__dict__.pop("_decode_specs", None)  # built with the old scaling
 
     def tilt(self) -> Tensor | None:
         """Per-(layer, head) recency tilt per token, ``[num_layers, kv_heads]`` (None without ``tilt``)."""
@@ -159,6 +161,22 @@ class ScorerStack(nn.ModuleList):
             read_steps, mask, **kw,
         )
         return state, self._tilted(layer_idx, scores, read_positions)
+
+    def decode_scores(self, layer_idx: int, state, k_new: Tensor, v_new: Tensor, k_read: Tensor, v_read: Tensor,
+                      new_positions: Tensor, read_positions: Tensor, observed: Tensor | None = None,
+                      window: int | None = None):
+        """The decode steady state's ``step_and_read``: one new and one exiting token per row
+        (``k_* / v_* [b, h, 1, d]``, ``*_positions [b]``, ``observed [b, h, 1, n]``); returns
+        ``(state, scores [b, h])``. See ``kvpop.scorers.decode``."""
+        return decode_scores(self.decode_spec(window), decode_params(self, layer_idx), state, k_new, v_new,
+                             k_read, v_read, new_positions, read_positions, observed)
+
+    def decode_spec(self, window: int | None) -> DecodeSpec:
+        """The :class:`~kvpop.scorers.decode.DecodeSpec` at protected ``window`` (built once per window)."""
+        memo = self.__dict__.setdefault("_decode_specs", {})
+        if window not in memo:
+            memo[window] = decode_spec(self, window)
+        return memo[window]
 
     # persistence
     def save(self, path: str | os.PathLike) -> None:

@@ -74,7 +74,7 @@ class TrainConfig:
     def window_for(self, budget: int) -> int:
         if self.window is not None:
             return int(self.window)
-        return max(1, int(round(self.window_fraction * budget)))
+        return max(1, round(self.window_fraction * budget))
 
     def eviction(self, budget: int) -> EvictionConfig:
         return EvictionConfig.from_budget(budget, window=self.window_for(budget), sinks=self.sinks, lam=self.lam)

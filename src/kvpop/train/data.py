@@ -61,7 +61,7 @@ class Example:
 @torch.no_grad()
 def capture_example(model, ids: Tensor, windows, sinks: int, obs_windows, corpora: list[str]) -> Example:
     """One no-grad forward of ``ids [b, S]`` recording what training needs (``kvpop.capture.collect``)."""
-    windows = sorted(set(int(w) for w in windows))
+    windows = sorted({int(w) for w in windows})
     caps = collect(
         model, ids.to(next(model.parameters()).device), window=windows[0], extra_windows=windows[1:],
         observed_windows=windows if obs_windows else (), sinks=sinks, obs_windows=tuple(obs_windows) or (None,),
@@ -132,7 +132,7 @@ class CaptureStore:
             "format": STORE_FORMAT,
             "fingerprint": model_fingerprint(model),
             "data": {"corpora": list(cfg.corpora) if not cfg.docs_from else None, "docs_from": cfg.docs_from,
-                     "split": split, "seed": cfg.seed, "seq_len": cfg.seq_len},  # fmt: skip
+                     "split": split, "seed": cfg.seed, "seq_len": cfg.seq_len},
             "sinks": cfg.sinks,
             "obs_windows": list(cfg.observed),
             "windows": list(cfg.capture_windows()),

@@ -1,0 +1,112 @@
+"""The fused steady decode step (kvpop.fused, kvpop.scorers.decode): equal to the general path, eager and compiled."""
+
+import warnings
+
+import pytest
+import torch
+
+from kvpop import KVpopCache
+from kvpop.policies import LearnedPolicy
+from kvpop.rope import RopeSpec
+from kvpop.scorers import ScorerConfig, build_scorer
+from kvpop.testing import tiny_model
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _learned(model, kind, extra=True, seed=7):
+    text = model.config
+    cfg = ScorerConfig(kind=kind, num_layers=text.num_hidden_layers, kv_heads=text.num_key_value_heads,
+                       head_dim=text.head_dim, seed=seed, position_free=extra,
+                       observed=(None, 4, 1) if extra else (), tilt=extra)
+    scorer = build_scorer(cfg)
+    if extra:
+        scorer.set_rope(RopeSpec.from_config(text))
+        with torch.no_grad():
+            scorer.tilt_theta.uniform_(0.0, 3.0, generator=torch.Generator().manual_seed(3))
+    return LearnedPolicy(scorer)
+
+
+def _policy(name, model):
+    if name.startswith("kvpop"):
+        return _learned(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith("+"))
+    return name
+
+
+@torch.no_grad()
+def _run(model, cache, ids, prefill, steady=True):
+    for layer in cache.layers:
+        layer.steady = steady
+    outs = [model(ids[:, :prefill], past_key_values=cache).logits]
+    outs += [model(ids[:, i : i + 1], past_key_values=cache).logits for i in range(prefill, ids.shape[1])]
+    return torch.cat(outs, 1)
+
+
+def _ids(n, batch=1):
+    g = torch.Generator().manual_seed(0)
+    return torch.stack([torch.randperm(128, generator=g)[:n] for _ in range(batch)])
+
+
+@pytest.mark.parametrize("policy", ["h2o", "knorm", "kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_steady_path_equals_general_decode(policy, batch):
+    """Same logits, same held tokens, same priorities and scorer state with and without the fused steady path."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = _ids(90, batch)
+    kw = {"budget": 20, "window": 6, "sinks": 2, "lam": 0.01}
+    a = KVpopCache(model.config, policy=_policy(policy, model), **kw)
+    b = KVpopCache(model.config, policy=_policy(policy, model), **kw)
+    la, lb = _run(model, a, ids, 30), _run(model, b, ids, 30, steady=False)
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+    for x, y in zip(a.layers, b.layers):
+        assert torch.equal(x.slot_index, y.slot_index)
+        torch.testing.assert_close(x.lr_prio, y.lr_prio, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x.observed, y.observed, rtol=1e-5, atol=1e-6)
+        if x.policy_state is not None:
+            for s, t in zip(x.policy_state, y.policy_state):
+                torch.testing.assert_close(s, t, rtol=1e-5, atol=1e-6)
+
+
+def test_decode_scores_equal_step_and_read():
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    for kind in ("mlstm", "mlp"):
+        scorer = _learned(model, kind).scorer
+        g = torch.Generator().manual_seed(1)
+        k_new, v_new, k_rd, v_rd = (torch.randn(2, 2, 1, 16, generator=g) for _ in range(4))
+        obs = torch.rand(2, 2, 1, 3, generator=g)
+        t_new, t_rd = torch.tensor([40, 57]), torch.tensor([34, 51])
+        state = scorer.init_state(2)[0]
+        if state is not None:  # a non-empty state, as in decoding
+            state = scorer.step(0, state, *(torch.randn(2, 2, 9, 16, generator=g) for _ in range(2)))
+        s1, r1 = scorer.step_and_read(0, state, k_new, v_new, k_rd, v_rd, new_positions=t_new.view(2, 1),
+                                      read_positions=t_rd.view(2, 1), observed=obs, window=6)
+        s2, r2 = scorer.decode_scores(0, state, k_new, v_new, k_rd, v_rd, t_new, t_rd, obs, 6)
+        torch.testing.assert_close(r2, r1.squeeze(-1), rtol=1e-5, atol=1e-5)
+        if s1 is not None:
+            for x, y in zip(s1, s2):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_eager():
+    """compile=True (torch.compile of kvpop.fused) gives the eager decisions and outputs."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = _ids(70)
+    for policy in ("kvpop+", "h2o"):
+        kw = {"budget": 20, "window": 6, "sinks": 2}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            a = KVpopCache(model.config, policy=_policy(policy, model), compile=True, **kw)
+            la = _run(model, a, ids, 30)
+        if any("torch.compile of the decode step failed" in str(w.message) for w in caught):
+            pytest.skip("no working torch.compile backend on this machine")
+        b = KVpopCache(model.config, policy=_policy(policy, model), **kw)
+        torch.testing.assert_close(la, _run(model, b, ids, 30), rtol=1e-4, atol=1e-4)
+        for x, y in zip(a.layers, b.layers):
+            assert torch.equal(x.slot_index, y.slot_index)
+
+
+def test_compile_argument_is_checked():
+    model = tiny_model("llama", num_hidden_layers=1)
+    with pytest.raises(TypeError, match="compile must be True or False"):
+        KVpopCache(model.config, budget=20, window=6, policy="h2o", compile="yes")
