@@ -110,3 +110,45 @@ def test_compile_argument_is_checked():
     model = tiny_model("llama", num_hidden_layers=1)
     with pytest.raises(TypeError, match="compile must be True or False"):
         KVpopCache(model.config, budget=20, window=6, policy="h2o", compile="yes")
+
+
+def test_bench_specs_floor_and_compile():
+    from transformers import StaticCache
+
+    from kvpop.bench.common import cache_for_spec, parse_policy
+
+    assert parse_policy("dense") == ("dense", None)
+    assert parse_policy("floor@64") == ("floor", 64)
+    assert parse_policy("kvpop@512+compile") == ("kvpop+compile", 512)
+    with pytest.raises(ValueError, match="floor@budget"):
+        parse_policy("h2o")
+    model = tiny_model("llama", num_hidden_layers=1)
+    floor = cache_for_spec(model, "floor@32")
+    assert isinstance(floor, StaticCache)
+    with torch.no_grad():
+        model(_ids(20), past_key_values=floor)
+    assert floor.layers[0].keys.shape[2] == 32  # B slots, whatever the context
+    cache = cache_for_spec(model, "h2o@24+compile")
+    assert cache.budget == 24 and all(layer.compile for layer in cache.layers)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_observed_sums_equal_reference(seed):
+    """The suffix-sum form of the chunk's observed-attention statistics equals the masked sums."""
+    from kvpop.cache import _observed_sums, _observed_sums_reference
+
+    g = torch.Generator().manual_seed(seed)
+    b, h, c, n, w = 3, 2, 7, 10, 5
+    n_real = torch.tensor([0, 9, 23])
+    valid = torch.ones(b, c, dtype=torch.bool)
+    valid[0, :3] = False  # left padding
+    valid[2, :1] = False
+    held = torch.randint(-1, 30, (b, h, n), generator=g)
+    new_idx = torch.where(valid, n_real.unsqueeze(1) + valid.long().cumsum(1) - 1, -1)
+    key_idx = torch.cat([held, new_idx.unsqueeze(1).expand(b, h, c)], 2)
+    age = new_idx.view(b, 1, c, 1) - key_idx.unsqueeze(2)
+    seen = (key_idx.unsqueeze(2) >= 0) & (age >= 0) & valid.view(b, 1, c, 1)
+    p_mean = torch.rand(b, h, c, n + c, generator=g) * seen
+    for obs in [(5, 2, 1), (1,), (3, 5)]:
+        got = _observed_sums(p_mean, key_idx, n_real, valid, w, obs)
+        torch.testing.assert_close(got, _observed_sums_reference(p_mean, key_idx, n_real, valid, w, obs))

@@ -354,9 +354,7 @@ class KVpopLayer(CacheLayerMixin):
             local = (kidx >= 0) & (kidx <= tq) & ((kidx < s) | (kidx > tq - w))
             p_local = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1).nan_to_num(0.0)
             p_mean = p_local.mean(dim=2)  # [b, h, c, n + c], over the query heads of a group
-            contrib = torch.stack(
-                [(p_mean * ((tq[:, :, 0] - kidx[:, :, 0]) >= (w - o))).sum(dim=2) for o in self.obs_windows], -1
-            )  # [b, h, n + c, nobs] summed over queries
+            contrib = _observed_sums(p_mean, key_idx, self.n_real, valid, w, self.obs_windows)  # [b, h, n + c, nobs]
             ring = slice(s, s + w)
             # accumulated statistic of every ring slot before new tokens overwrite them
             acc_old = self.observed + contrib[:, :, ring]
@@ -453,6 +451,33 @@ class KVpopLayer(CacheLayerMixin):
     def held_indices(self) -> torch.Tensor:
         """Logical indices held per (row, head, slot); -1 = empty."""
         return self.slot_index.clone()
+
+
+def _observed_sums(p_mean, key_idx, n_real, valid, window: int, obs_windows) -> torch.Tensor:
+    """Per key, the attention it got from the chunk's queries that are at least ``window - o`` newer,
+    for each observation window ``o``: ``[b, h, n + c, n_obs]``.
+
+    A row's real queries are consecutive tokens after its left padding, so "at least ``a`` newer"
+    is a suffix of the chunk's queries: one reverse cumulative sum over the queries, read at each
+    key's first qualifying query, gives every window's sum (instead of one masked pass per window).
+    ``p_mean [b, h, c, n + c]`` is zero for padding queries and for keys a query does not observe.
+    :func:`_observed_sums_reference` is the direct form; a test holds them together.
+    """
+    b, h, c, nk = p_mean.shape
+    suffix = torch.cat([p_mean.flip(2).cumsum(2).flip(2), p_mean.new_zeros(b, h, 1, nk)], 2)  # [b, h, c + 1, nk]
+    first_real = c - valid.long().sum(1)  # chunk position of each row's first real query
+    thr = torch.tensor([window - o for o in obs_windows], device=p_mean.device).view(1, 1, -1, 1)
+    start = (first_real - n_real).view(b, 1, 1, 1) + key_idx.unsqueeze(2) + thr  # [b, h, nobs, nk]
+    sums = suffix.gather(2, start.clamp(0, c))  # [b, h, nobs, nk]
+    return sums.transpose(2, 3)
+
+
+def _observed_sums_reference(p_mean, key_idx, n_real, valid, window: int, obs_windows) -> torch.Tensor:
+    """The direct form of :func:`_observed_sums`: one masked sum over the queries per window."""
+    c = p_mean.shape[2]
+    new_idx = torch.where(valid, n_real.unsqueeze(1) + valid.long().cumsum(1) - 1, -1)
+    age = new_idx.view(-1, 1, c, 1) - key_idx.unsqueeze(2)  # [b, h, c, nk]
+    return torch.stack([(p_mean * (age >= window - o)).sum(dim=2) for o in obs_windows], -1)
 
 
 def _tick(timer: dict[str, float], phase: str, t0: float) -> float:

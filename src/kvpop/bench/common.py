@@ -26,26 +26,33 @@ def median(xs: list[float]) -> float:
 
 
 def parse_policy(spec: str) -> tuple[str, int | None]:
-    """``"dense"`` or ``"name@B"`` (e.g. ``kvpop-mlp@512``)."""
+    """``"dense"``, ``"floor@B"`` or ``"name@B"`` (e.g. ``kvpop-mlp@512``; ``kvpop@512+compile`` compiles
+    the steady decode step). Returns (name, budget); the ``+compile`` suffix stays on the name."""
     if spec == "dense":
         return "dense", None
     if "@" not in spec:
-        raise ValueError(f"policy spec must be 'dense' or 'name@budget', got {spec!r}")
+        raise ValueError(f"policy spec must be 'dense', 'floor@budget' or 'name@budget', got {spec!r}")
     name, b = spec.split("@", 1)
-    return name, int(b)
+    compile_ = b.endswith("+compile")
+    return name + ("+compile" if compile_ else ""), int(b.removesuffix("+compile"))
 
 
 def cache_for_spec(model, spec: str):
     """The cache a benchmark spec stands for: a ``DynamicCache`` for ``dense`` (so its bytes can be
-    read), else :func:`kvpop.make_cache` with that policy and budget."""
-    from transformers import DynamicCache
+    read), a ``StaticCache`` of ``B`` slots for ``floor@B`` (the physical floor: attention over ``B``
+    slots, no scoring, no eviction; it holds at most ``B`` tokens), else :func:`kvpop.make_cache`
+    with that policy and budget."""
+    from transformers import DynamicCache, StaticCache
 
     from .. import make_cache
 
     name, budget = parse_policy(spec)
     if name == "dense":
         return DynamicCache(config=model.config)
-    return make_cache(model, name, budget=budget)
+    if name == "floor":
+        return StaticCache(config=model.config, max_cache_len=budget)
+    base = name.removesuffix("+compile")
+    return make_cache(model, base, budget=budget, compile=base != name)
 
 
 def kv_bytes(cache) -> int:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .common import cache_for_spec, kv_bytes, median, peak_rss_bytes, rss_bytes, text_ids, write_json
+from .common import cache_for_spec, kv_bytes, median, parse_policy, peak_rss_bytes, rss_bytes, text_ids, write_json
 
-DEFAULT_POLICIES = "dense,streaming@512,kvpop-mlp@512,kvpop-mlp@1024"
+DEFAULT_POLICIES = "dense,floor@512,streaming@512,kvpop@512,kvpop@512+compile,kvpop-mlp@512+compile"
 
 
 @torch.no_grad()
@@ -39,8 +39,18 @@ def run_one(spec: str, lengths: list[int], decode_steps: int, mode: str, model_p
     pos = 0
     rows = []
     base_rss = rss_bytes()
+    floor = spec.startswith("floor@")
     for length in lengths:
-        if mode == "prefill":
+        if floor:
+            # the floor's step does not depend on the context: B slots, refilled to just under B
+            budget = parse_policy(spec)[1]
+            if budget <= decode_steps + 1:
+                raise SystemExit(f"{spec}: the budget must exceed --decode-steps + 1")
+            cache.reset()
+            start = budget - decode_steps - 1
+            model(ids[:, :start], cache=cache, logits_to_keep=1)
+            pos = start
+        elif mode == "prefill":
             # pieces of at most 1024 tokens, last-position logits only: the transient memory of a
             # long prefill (a [T, vocab] logits tensor) would otherwise dominate the peak RSS
             while pos < length:
@@ -57,6 +67,8 @@ def run_one(spec: str, lengths: list[int], decode_steps: int, mode: str, model_p
             model(ids[:, pos : pos + 1], cache=cache)
             lat.append(time.perf_counter() - t0)
             pos += 1
+        if floor:
+            pos = length  # the other policies' text position, for the next checkpoint's bookkeeping
         rows.append({
             "length": length,
             "decode_ms_median": 1000 * median(lat),
@@ -78,6 +90,11 @@ def plot(results: dict, out: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for r in results["runs"]:
         xs = [row["length"] for row in r["rows"]]
+        if r["policy"].startswith("floor@"):  # the physical floor: a line, at every context the same B slots
+            ms = median([row["decode_ms_median"] for row in r["rows"]])
+            axes[0].axhline(ms, color="k", ls="--", label=f"{r['policy']} (static cache of B slots)")
+            axes[1].axhline(r["rows"][0]["kv_bytes"] / 2**20, color="k", ls="--", label=r["policy"])
+            continue
         axes[0].plot(xs, [row["decode_ms_median"] for row in r["rows"]], marker="o", label=r["policy"])
         axes[1].plot(xs, [row["kv_bytes"] / 2**20 for row in r["rows"]], marker="o", label=r["policy"])
         axes[2].plot(xs, [row["peak_rss_bytes"] / 2**20 for row in r["rows"]], marker="o", label=r["policy"])
@@ -130,15 +147,21 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{spec} failed:\n{res.stderr[-2000:]}")
         runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
     dense = next((r for r in runs if r["policy"] == "dense"), None)
+    floors = {parse_policy(r["policy"])[1]: r for r in runs if r["policy"].startswith("floor@")}
     table = []
     for r in runs:
-        for row, drow in zip(r["rows"], dense["rows"] if dense else r["rows"]):
-            table.append({
+        floor = floors.get(parse_policy(r["policy"])[1])
+        for i, row in enumerate(r["rows"]):
+            drow = (dense or r)["rows"][i]
+            entry = {
                 "policy": r["policy"], "length": row["length"],
                 "latency_ratio_vs_dense": row["decode_ms_median"] / drow["decode_ms_median"],
                 "kv_ratio_vs_dense": row["kv_bytes"] / drow["kv_bytes"],
                 "peak_rss_ratio_vs_dense": row["peak_rss_bytes"] / drow["peak_rss_bytes"],
-            })
+            }
+            if floor is not None:
+                entry["latency_ratio_vs_floor"] = row["decode_ms_median"] / floor["rows"][i]["decode_ms_median"]
+            table.append(entry)
     results = {"model": args.model or "SmolLM2-135M-Instruct", "mode": args.mode, "decode_steps": args.decode_steps,
                "threads": args.threads or torch.get_num_threads(), "runs": runs, "ratios": table,
                "wall_seconds": time.perf_counter() - t0}
@@ -146,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json(results, out.with_suffix(".json"))
     plot(results, out.with_suffix(".png"))
     for row in table:
-        print(f"{row['policy']:>16} L={row['length']:>5}  latency x{row['latency_ratio_vs_dense']:.2f}  "
+        vs_floor = f" ({row['latency_ratio_vs_floor']:.2f}x floor)" if "latency_ratio_vs_floor" in row else ""
+        print(f"{row['policy']:>20} L={row['length']:>5}  latency x{row['latency_ratio_vs_dense']:.2f}{vs_floor}  "
               f"KV x{row['kv_ratio_vs_dense']:.3f}  peak RSS x{row['peak_rss_ratio_vs_dense']:.2f}")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0

@@ -8,9 +8,10 @@ all of them take turns: ``--rounds`` rounds of ``--steps`` single-token steps ea
 of a noisy machine hit every row alike, and each row's median step is divided by the floor's and
 by dense's medians from the same run. ``overhead_share = 1 - floor / step`` is the part of a
 step beyond the floor (the scorer, the rule, the writes and the cache's attention path);
-``score_ms`` / ``rule_attend_ms`` split the eager steady path where it runs in phases. Learned
-policies also run with ``compile=True`` (``name+compile``); their first step's extra time is the
-compile time.
+``phase_ms`` splits the eager paths where they run in phases (``score``: a heuristic's scoring;
+``fused``: the steady step's rule, writes and attention, with a learned policy's scoring inside).
+Every policy with long-range slots also runs with ``compile=True`` (``name+compile``); its first
+step's time (``first_step_s``) includes the compiling.
 
     kvpop bench overhead --budget 512 --context 8000 --out results/bench_overhead
 """
@@ -57,8 +58,9 @@ def _plot(result: dict, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvpop bench overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default=None, help="comma list (default: every policy that can generate)")
-    p.add_argument("--compile", default="kvpop,kvpop-mlp",
-                   help="policies also run with compile=True (comma list; '' for none)")
+    p.add_argument("--compile", default="all",
+                   help="policies also run with compile=True: a comma list, 'all' (every policy of --policies "
+                        "with long-range slots; StreamingLLM has none, so nothing to compile) or '' for none")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--context", type=int, default=8000)
     p.add_argument("--steps", type=int, default=8, help="steps per row per round")
@@ -73,8 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     from ..cli import load_model_quietly
 
     names = [n for n in (args.policies or ",".join(policy_names(dense=False, teacher_forced=False))).split(",") if n]
-    compiled = [n for n in args.compile.split(",") if n]
-    unknown = [n for n in names + compiled if n not in POLICIES]
+    unknown = [n for n in names if n not in POLICIES]
+    if args.compile == "all":
+        from ..policies import get_policy
+
+        compiled = [n for n in names if n not in unknown and get_policy(n).uses_long_range]
+    else:
+        compiled = [n for n in args.compile.split(",") if n]
+    unknown += [n for n in compiled if n not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; known: {sorted(POLICIES)}")
     total_steps = args.steps * args.rounds

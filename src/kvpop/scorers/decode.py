@@ -128,14 +128,19 @@ def decode_scores(spec: DecodeSpec, params: tuple, state, k_new: Tensor, v_new: 
         w1, b1, w2, b2 = params[:4]
         if extra is not None:
             feats = torch.cat([feats, extra.unsqueeze(2)], -1)
-        scores = head_linear(F.silu(head_linear(feats, w1, b1)), w2, b2.unsqueeze(-1)).view(feats.shape[0], -1)
+        hdn = F.silu(head_linear(feats, w1, b1)).squeeze(2)  # [b, h, hidden]
+        scores = (hdn * w2.squeeze(-1)).sum(-1) + b2
     if spec.tilt:
         scores = torch.addcmul(scores, lam.unsqueeze(0), t_read.unsqueeze(1).to(scores.dtype))
     return state, scores
 
 
 def _mlstm(spec: DecodeSpec, params: tuple, state, feats: Tensor, extra: Tensor | None):
-    """The mLSTM's ``_update1`` and ``_read_h`` + head, for ``feats`` rows (new, read)."""
+    """The mLSTM's ``_update1`` and ``_read_h`` + head, for ``feats`` rows (new, read).
+
+    The small products (observed inputs, readout, head) are written as broadcast-and-sum, not
+    matmuls: ``torch.compile`` fuses those into its loops instead of calling BLAS for a dot product.
+    """
     w_proj, b_proj, w_extra, w_out, b_out = params[:5]
     dk, dv = spec.dk, spec.dv
     o = dk + dv
@@ -144,7 +149,7 @@ def _mlstm(spec: DecodeSpec, params: tuple, state, feats: Tensor, extra: Tensor 
     kk, vv, ig, fg = pn[..., :dk], pn[..., dk:o], pn[..., o], pn[..., o + 1]
     r = pr[..., o + 2 :]
     if extra is not None:
-        r = r + torch.matmul(extra.unsqueeze(-2), w_extra).squeeze(-2)
+        r = r + (extra.unsqueeze(-1) * w_extra).sum(-2)
     qq, u = r[..., :dk] * spec.q_scale, r[..., dk:]
     C0, n0, m0 = state
     mg = (F.logsigmoid(fg) if spec.sigmoid_gate else fg) + m0
@@ -153,11 +158,11 @@ def _mlstm(spec: DecodeSpec, params: tuple, state, feats: Tensor, extra: Tensor 
     wk = torch.exp(ig - m_new).unsqueeze(-1) * kk  # [b, h, dk]
     C = torch.addcmul(d1[..., None, None] * C0, wk.unsqueeze(-1), vv.unsqueeze(-2))
     n = torch.addcmul(wk, d1.unsqueeze(-1), n0)
-    num = torch.matmul(qq.unsqueeze(-2), C).squeeze(-2)  # [b, h, dv]
+    num = (qq.unsqueeze(-1) * C).sum(-2)  # [b, h, dv] = C^T q
     den = torch.maximum((qq * n).sum(-1).abs(), torch.exp(-m_new))
     hr = num / den.unsqueeze(-1)
     if spec.h_norm:
         hr = hr * torch.rsqrt((hr * hr).sum(-1, keepdim=True).mul(1.0 / dv).add(spec.eps))
     z = torch.cat([hr, F.silu(u)], -1) if spec.read_mlp else hr
-    scores = head_linear(z.unsqueeze(2), w_out, b_out.unsqueeze(-1)).view(z.shape[0], -1)
+    scores = (z * w_out.squeeze(-1)).sum(-1) + b_out
     return type(state)(C, n, m_new), scores
