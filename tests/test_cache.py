@@ -11,9 +11,7 @@ from kvpop import KVpopCache
 from kvpop.config import EvictionConfig
 from kvpop.policies import POLICIES, LearnedPolicy, get_policy
 from kvpop.reference import MaskedReference
-from kvpop.rope import RopeSpec
-from kvpop.scorers import ScorerConfig, build_scorer
-from kvpop.testing import ARCHS, tiny_model
+from kvpop.testing import ARCHS, random_learned_policy, tiny_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 BASE_POLICIES = ["streaming", "tova", "h2o", "snapkv", "knorm", "random"]
@@ -24,17 +22,7 @@ ALL_POLICIES = BASE_POLICIES + ["kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+"]
 def _policy(name, model):
     """A fresh policy instance; learned ones get a seeded random-init scorer for the tiny model."""
     if name.startswith("kvpop"):
-        text = model.config
-        extra = name.endswith("+")
-        cfg = ScorerConfig(kind="mlp" if "mlp" in name else "mlstm", num_layers=text.num_hidden_layers,
-                           kv_heads=text.num_key_value_heads, head_dim=text.head_dim, seed=7,
-                           position_free=extra, observed=(None, 4, 1) if extra else (), tilt=extra)
-        scorer = build_scorer(cfg)
-        if extra:
-            scorer.set_rope(RopeSpec.from_config(text))
-            with torch.no_grad():
-                scorer.tilt_theta.uniform_(0.0, 3.0, generator=torch.Generator().manual_seed(3))
-        return LearnedPolicy(scorer)
+        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith("+"))
     return get_policy(name)
 
 

@@ -6,30 +6,14 @@ import pytest
 import torch
 
 from kvpop import KVpopCache
-from kvpop.policies import LearnedPolicy
-from kvpop.rope import RopeSpec
-from kvpop.scorers import ScorerConfig, build_scorer
-from kvpop.testing import tiny_model
+from kvpop.testing import random_learned_policy, tiny_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
-def _learned(model, kind, extra=True, seed=7):
-    text = model.config
-    cfg = ScorerConfig(kind=kind, num_layers=text.num_hidden_layers, kv_heads=text.num_key_value_heads,
-                       head_dim=text.head_dim, seed=seed, position_free=extra,
-                       observed=(None, 4, 1) if extra else (), tilt=extra)
-    scorer = build_scorer(cfg)
-    if extra:
-        scorer.set_rope(RopeSpec.from_config(text))
-        with torch.no_grad():
-            scorer.tilt_theta.uniform_(0.0, 3.0, generator=torch.Generator().manual_seed(3))
-    return LearnedPolicy(scorer)
-
-
 def _policy(name, model):
     if name.startswith("kvpop"):
-        return _learned(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith("+"))
+        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith("+"))
     return name
 
 
@@ -70,7 +54,7 @@ def test_steady_path_equals_general_decode(policy, batch):
 def test_decode_scores_equal_step_and_read():
     model = tiny_model("qwen3", num_hidden_layers=1)
     for kind in ("mlstm", "mlp"):
-        scorer = _learned(model, kind).scorer
+        scorer = random_learned_policy(model, kind, extra=True).scorer
         g = torch.Generator().manual_seed(1)
         k_new, v_new, k_rd, v_rd = (torch.randn(2, 2, 1, 16, generator=g) for _ in range(4))
         obs = torch.rand(2, 2, 1, 3, generator=g)

@@ -114,6 +114,25 @@ def tiny_model(
     return model.eval()
 
 
+def random_learned_policy(model, kind: str = "mlstm", extra: bool = False, seed: int = 7):
+    """A ``LearnedPolicy`` with a seeded random-init scorer for ``model`` (tests). ``extra``: the
+    scorer also undoes RoPE, reads observed attention (windows None, 4, 1) and has a random tilt."""
+    from .policies import LearnedPolicy
+    from .rope import RopeSpec
+    from .scorers import ScorerConfig, build_scorer
+
+    text = model.config
+    cfg = ScorerConfig(kind=kind, num_layers=text.num_hidden_layers, kv_heads=text.num_key_value_heads,
+                       head_dim=text.head_dim, seed=seed, position_free=extra,
+                       observed=(None, 4, 1) if extra else (), tilt=extra)
+    scorer = build_scorer(cfg)
+    if extra:
+        scorer.set_rope(RopeSpec.from_config(text))
+        with torch.no_grad():
+            scorer.tilt_theta.uniform_(0.0, 3.0, generator=torch.Generator().manual_seed(3))
+    return LearnedPolicy(scorer)
+
+
 def _tiny_vocab(vocab_size: int) -> list[str]:
     """Tokens in id order: specials, byte-level printable ASCII (+ space, newline, tab), merges, fillers."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
