@@ -12,7 +12,7 @@ import sys
 import time
 
 from .core import ALL_POLICIES, PolicyUnavailable
-from .harness import EvalConfig, merge, quick_config, run_eval, table, user_documents
+from .harness import EvalConfig, merge, quick_config, run_eval, table, unit_filter, user_documents
 from .store import StoreMismatch
 from .tasks import DEFAULT_TASKS, TASKS, TEXT_TASKS
 
@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run nothing: print the items, units (done / to run) and estimated CPU hours per shard "
                    "(with --shard I/N: of all N shards)")  # fmt: skip
     p.add_argument("--merge", nargs="+", metavar="DIR",
-                   help="combine the records of these output folders into --out (no model, nothing run)")
+                   help="combine the records of these output folders into --out (no model, nothing run); "
+                        "--task, --compression, --policies, --needle-lengths and --multikey-lengths, when "
+                        "given, limit what goes in")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -135,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.merge:
         try:
-            results = merge(args.merge, args.out, plots=not args.no_plots)
+            keep = unit_filter(tasks=args.tasks, compressions=args.compression, policies=args.policies,
+                               needle_lengths=args.needle_lengths, multikey_lengths=args.multikey_lengths)
+            results = merge(args.merge, args.out, plots=not args.no_plots, keep=keep)
         except (FileNotFoundError, StoreMismatch, ValueError) as exc:
             return _err(str(exc))
         print(table(results))

@@ -470,9 +470,37 @@ def build_results(units: list[dict], sessions: list[dict], fp: dict, cfg: EvalCo
     }
 
 
-def merge(dirs, out: str | Path, plots: bool = True) -> dict:
-    """Combine the records of several output folders (same settings) into ``out/results.json`` + plots."""
+_TASK_KINDS = {"lm": "doc", "continuation": "doc", "needle": "needle", "multikey": "multikey", "agreement": "agreement"}
+
+
+def unit_filter(tasks=None, compressions=None, policies=None, needle_lengths=None, multikey_lengths=None):
+    """A predicate on unit records that keeps the part of a grid these options name (None: no limit);
+    ``merge`` uses it so that a committed table can be exactly one grid while the run folders
+    already hold more (e.g. longer needles still running)."""
+    kinds = None if tasks is None else {_TASK_KINDS[t] for t in tasks}
+    comps = None if compressions is None else [float(c) for c in compressions]
+    lengths = {"needle": needle_lengths, "multikey": multikey_lengths}
+
+    def keep(u: dict) -> bool:
+        if kinds is not None and u.get("kind") not in kinds:
+            return False
+        if policies is not None and u.get("policy") not in policies:
+            return False
+        c = u.get("compression")
+        if comps is not None and c is not None and not any(abs(c - x) < 1e-9 for x in comps):
+            return False
+        allowed = lengths.get(u.get("kind"))
+        return allowed is None or u.get("length") in allowed
+
+    return keep
+
+
+def merge(dirs, out: str | Path, plots: bool = True, keep=None) -> dict:
+    """Combine the records of several output folders (same settings) into ``out/results.json`` + plots;
+    ``keep`` (see :func:`unit_filter`) limits which unit records go in."""
     fp, units, sessions = load_dirs(dirs)
+    if keep is not None:
+        units = [u for u in units if keep(u)]
     results = build_results(units, sessions, fp)
     results["merged_from"] = [str(d) for d in dirs]
     write_results(results, out, plots=plots)
