@@ -136,3 +136,24 @@ def test_observed_sums_equal_reference(seed):
     for obs in [(5, 2, 1), (1,), (3, 5)]:
         got = _observed_sums(p_mean, key_idx, n_real, valid, w, obs)
         torch.testing.assert_close(got, _observed_sums_reference(p_mean, key_idx, n_real, valid, w, obs))
+
+
+def test_failed_compile_falls_back_to_eager_once(monkeypatch):
+    """A compiler that fails warns once and the step runs eagerly with the same result."""
+    from kvpop import fused
+
+    def broken(name):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(fused, "compiled", broken)
+    monkeypatch.setattr(fused, "COMPILE_ERROR", None)
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = _ids(40)
+    kw = {"budget": 20, "window": 6, "sinks": 2}
+    a = KVpopCache(model.config, policy="h2o", compile=True, **kw)
+    with pytest.warns(RuntimeWarning, match="no compiler here") as caught:
+        la = _run(model, a, ids, 30)
+    assert sum("no compiler here" in str(w.message) for w in caught) == 1
+    assert fused.COMPILE_ERROR is not None
+    b = KVpopCache(model.config, policy="h2o", **kw)
+    torch.testing.assert_close(la, _run(model, b, ids, 30), rtol=1e-5, atol=1e-5)

@@ -228,13 +228,13 @@ class KVpopLayer(CacheLayerMixin):
         """``kvpop.fused.<name>(*args)``, compiled when ``self.compile``; a compiler that fails here
         turns compilation off for this layer with a warning (the eager function gives the same result)."""
         fn = getattr(fused, name)
-        if self.compile:
+        if self.compile and fused.COMPILE_ERROR is None:
             try:
                 return fused.compiled(name)(*args)
             except Exception as exc:  # noqa: BLE001 (no C++ compiler, an unsupported platform, ...: any failure)
-                self.compile = False
-                warnings.warn(f"torch.compile of the decode step failed ({type(exc).__name__}: {exc}); "
-                              "running it eagerly", RuntimeWarning, stacklevel=3)
+                fused.COMPILE_ERROR = f"{type(exc).__name__}: {exc}"  # no other layer or cache tries again
+                warnings.warn(f"torch.compile of the decode step failed ({fused.COMPILE_ERROR}); running it eagerly",
+                              RuntimeWarning, stacklevel=3)
         return fn(*args)
 
     def _attend_decode(self, q, k_new, v_new, scaling):

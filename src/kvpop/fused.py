@@ -24,7 +24,9 @@ from torch import Tensor
 from . import rule
 from .scorers.decode import DecodeSpec, decode_scores
 
-__all__ = ["StepSpec", "compiled", "exit_gather", "steady_learned", "steady_tail"]
+__all__ = ["COMPILE_ERROR", "StepSpec", "compiled", "exit_gather", "steady_learned", "steady_tail"]
+
+COMPILE_ERROR: str | None = None  # set by the first failed compile: the process then runs these eagerly
 
 
 @dataclass(frozen=True)
