@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..observed import observed_features
+from ..rope import unrotate
 from .base import head_linear, kv_features
 
 __all__ = ["DecodeSpec", "decode_params", "decode_scores", "decode_spec"]
@@ -41,20 +43,16 @@ class DecodeSpec:
     rope_scaling: float
     eps: float
     q_scale: float
-    obs_counts: tuple[float, ...]  # queries each observed statistic sums over (empty: no observed inputs)
+    window: int | None  # the protected window the observed statistics were summed over
+    obs_windows: tuple[int | None, ...]  # the scorer's observation windows (empty: no observed inputs)
     tilt: bool
 
 
 def decode_spec(stack, window: int | None) -> DecodeSpec:
     """The :class:`DecodeSpec` of a ``ScorerStack`` used with protected ``window``."""
     cfg = stack.config
-    counts: tuple[float, ...] = ()
-    if cfg.observed:
-        if window is None:
-            raise ValueError(f"this scorer reads observed attention (windows {cfg.observed}): pass the protected window")
-        from ..observed import observed_counts
-
-        counts = tuple(float(c) for c in observed_counts(window, cfg.observed))
+    if cfg.observed and window is None:
+        raise ValueError(f"this scorer reads observed attention (windows {cfg.observed}): pass the protected window")
     layer = stack[0]
     stateful = cfg.kind == "mlstm"
     return DecodeSpec(
@@ -69,7 +67,8 @@ def decode_spec(stack, window: int | None) -> DecodeSpec:
         rope_scaling=float(cfg.rope_scaling),
         eps=float(cfg.eps),
         q_scale=float(getattr(layer, "q_scale", 1.0)),
-        obs_counts=counts,
+        window=window,
+        obs_windows=tuple(cfg.observed),
         tilt=cfg.tilt,
     )
 
@@ -91,15 +90,6 @@ def decode_params(stack, layer_idx: int) -> tuple[Tensor | None, ...]:
     return tuple(None if p is None else p.detach() for p in params)  # inference: no autograd graph
 
 
-def _unrotate(k: Tensor, pos: Tensor, inv_freq: Tensor, scaling: float) -> Tensor:
-    """Pre-RoPE keys of ``k [b, h, R, d]`` at ``pos [b, R]`` (``kvpop.rope.unrotate``, full-dim RoPE)."""
-    ang = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [b, R, d/2]
-    cos, sin = ang.cos().unsqueeze(1), ang.sin().unsqueeze(1)
-    k1, k2 = k.chunk(2, -1)
-    out = torch.cat([k1 * cos + k2 * sin, k2 * cos - k1 * sin], -1)
-    return out if scaling == 1.0 else out / scaling
-
-
 def decode_scores(spec: DecodeSpec, params: tuple, state, k_new: Tensor, v_new: Tensor, k_read: Tensor,
                   v_read: Tensor, t_new: Tensor, t_read: Tensor, observed: Tensor | None):
     """One new token (``k_new``/``v_new [b, h, 1, d]`` at ``t_new [b]``) enters the scorer's state and
@@ -116,12 +106,11 @@ def decode_scores(spec: DecodeSpec, params: tuple, state, k_new: Tensor, v_new: 
         k, v, pos = k_read.float(), v_read.float(), t_read.unsqueeze(1)
         inv, lam = params[4], params[5]
     if spec.position_free:
-        k = _unrotate(k, pos, inv, spec.rope_scaling)
+        k = unrotate(k, pos, inv, spec.rope_scaling)
     feats = kv_features(k, v, spec.input_norm, spec.eps)  # [b, h, R, in]
     extra = None
-    if spec.obs_counts:
-        counts = torch.tensor(spec.obs_counts, dtype=torch.float32, device=feats.device)
-        extra = torch.log(observed.float().squeeze(2) / counts + 1e-6)  # [b, h, n]
+    if spec.obs_windows:
+        extra = observed_features(observed.squeeze(2), spec.window, spec.obs_windows)  # [b, h, n]
     if spec.stateful:
         state, scores = _mlstm(spec, params, state, feats, extra)
     else:
