@@ -226,7 +226,8 @@ class KVpopLayer(CacheLayerMixin):
 
     def _fused(self, name: str, *args):
         """``kvpop.fused.<name>(*args)``, compiled when ``self.compile``; a compiler that fails here
-        turns compilation off for this layer with a warning (the eager function gives the same result)."""
+        turns compilation off for the whole process (``fused.COMPILE_ERROR``) with one warning (the
+        eager function gives the same result)."""
         fn = getattr(fused, name)
         if self.compile and fused.COMPILE_ERROR is None:
             try:
