@@ -359,3 +359,16 @@ def test_unit_filter_limits_a_merge_to_one_grid():
     keep = unit_filter(tasks=["lm"], compressions=[0.875])
     assert [keep(u) for u in units] == [True, True, False, False, False]
     assert [unit_filter(policies=["kvpop"])(u) for u in units] == [False, False, False, False, True]
+
+
+def test_merged_notes_drop_superseded_resume_hints():
+    """A shard's 'units remain' note is stale once a later process of the same shard ran."""
+    from kvpop.evaluate.harness import RESUME_HINT, build_results
+
+    stale = f"stopped after 10s (time limit), 3 units run; 2 units of this run remain: {RESUME_HINT}"
+    fresh = f"stopped after 20s (time limit), 1 units run; 1 units of this run remain: {RESUME_HINT}"
+    sessions = [{"tag": "shard-1-of-2", "notes": ["corpus x: only 1 doc", stale]},
+                {"tag": "shard-2-of-2", "notes": [fresh]},
+                {"tag": "shard-1-of-2", "notes": ["corpus x: only 1 doc"]}]  # fmt: skip
+    notes = build_results([], sessions, {}, n_boot=10)["notes"]
+    assert notes == ["corpus x: only 1 doc", fresh]

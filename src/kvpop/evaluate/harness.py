@@ -55,6 +55,7 @@ def _shipped_training_corpora() -> tuple[str, ...]:
 
 
 IN_DOMAIN = _shipped_training_corpora()
+RESUME_HINT = "rerun the same command to continue"  # ends a session's note when it stopped with units left
 SCHEMA_VERSION = 2
 
 
@@ -396,7 +397,7 @@ def run_eval(
         bar.close()
         remaining = len(todo) - ran
         if stopped:
-            notes.append(f"{stopped}; {remaining} units of this run remain: rerun the same command to continue")
+            notes.append(f"{stopped}; {remaining} units of this run remain: {RESUME_HINT}")
         session = {
             "tag": tag, "shard": None if shard is None else f"{shard[0]}/{shard[1]}", "started": started,
             "finished": _dt.datetime.now().isoformat(timespec="seconds"), "wall_s": time.perf_counter() - t_start,
@@ -442,10 +443,12 @@ def build_results(units: list[dict], sessions: list[dict], fp: dict, cfg: EvalCo
     skipped: dict[str, str] = {}
     notes: list[str] = []
     tasks: list[str] = []
-    for s in sessions:
+    latest = {s.get("tag"): i for i, s in enumerate(sessions)}
+    for i, s in enumerate(sessions):
         for p, r in (s.get("skipped_policies") or {}).items():
             skipped.setdefault(p, r)
-        notes += [n for n in s.get("notes", []) if n not in notes]
+        # a "units remain" note is stale once a later process of the same shard has run
+        notes += [n for n in s.get("notes", []) if n not in notes and not (n.endswith(RESUME_HINT) and latest[s.get("tag")] != i)]
         tasks += [t for t in s.get("tasks", []) if t not in tasks]
     present = {u["policy"] for u in units}
     policies = [p for p in ALL_POLICIES if p in present] + sorted(present - set(ALL_POLICIES))
