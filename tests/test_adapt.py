@@ -231,6 +231,17 @@ def test_bundle_loads_with_load_model(tmp_path, docs, scorer_path):
     out = model.generate(input_ids=IDS[:, :40], past_key_values=cache, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 44)
     assert model.kvpop_adapter.meta["meta"]["trained_for"]["windows"] == {"24": 8}
+    # policy "kvpop" by name on a model loaded with a bundle: the bundle's scorer, its trained window
+    named = kvpop.make_cache(model, "kvpop", budget=24, sinks=2)
+    assert named.policy.scorer is scorer and "adapter bundle" in named.policy.source and named.eviction.window == 8
+    assert torch.equal(model(input_ids=IDS[:, :40], past_key_values=named).logits,
+                       model(input_ids=IDS[:, :40], past_key_values=kvpop.make_cache(model, policy, budget=24, window=8,
+                                                                                   sinks=2)).logits)  # fmt: skip
+    # an explicit path still wins over the bundle's scorer
+    assert kvpop.make_cache(model, "kvpop", budget=24, window=8, sinks=2,
+                            path=scorer_path).policy.scorer is not scorer  # fmt: skip
+    with pytest.raises(ValueError, match='adapter="default" is the shipped bundle of the embedded'):
+        kvpop.load_model(tmp_path / "base", adapter="default", progress=False)
     save_tiny_model(tmp_path / "other", seed=3)
     with pytest.raises(AdapterMismatchError):
         kvpop.load_model(tmp_path / "other", adapter=tmp_path / "run" / "adapter", progress=False)
@@ -320,3 +331,54 @@ def test_compare_adapted(tmp_path, docs, scorer_path):
     assert all(0 < r["retention"] and r["n_tokens"] == 2 * 39 for r in rows.values())
     assert res["settings"]["windows"] == {"24": 8} and res["settings"]["base_scorer"] == str(scorer_path)
     assert not any("lora_" in n for n, _ in base.named_parameters())  # the caller's model is left alone
+
+
+def test_compare_adapted_command(tmp_path, docs, scorer_path, monkeypatch, capsys):
+    """`kvpop compare-adapted`: split over two shards, resumable, the same numbers as compare_adapted."""
+    from kvpop.adapt import report
+    from kvpop.cli import main as kvpop_main
+    from kvpop.evaluate import harness
+    from kvpop.testing import save_tiny_model
+
+    tok = tiny_tokenizer()
+    save_tiny_model(tmp_path / "base")
+    adapt(_cfg(tmp_path / "kv", docs, scorer_path, steps=2), tiny_model("llama"), tok)
+    adapt(_cfg(tmp_path / "st", docs, mask="streaming", steps=2), tiny_model("llama"), tok)
+    ids = [torch.randint(3, 128, (64,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    monkeypatch.setattr(harness, "corpus_documents",
+                        lambda tokenizer, cfg, notes: [("in_domain", "a", ids[:2]), ("out_of_domain", "b", ids[2:])])
+    args = ["--bundle", str(tmp_path / "kv" / "adapter"), "--streaming-bundle", str(tmp_path / "st" / "adapter"),
+            "--model", str(tmp_path / "base"), "--out", str(tmp_path / "rep"), "--compression", "0.625",
+            "--doc-tokens", "64", "--no-progress"]  # fmt: skip
+    # the base-model rows first (as while the adapters still train), then the rest in two shards
+    assert kvpop_main(["compare-adapted", *args, "--rows", "base kvpop", "base streaming"]) == 0
+    assert "3 documents, 3 in this shard, 6 of 6 units to run" in capsys.readouterr().err
+    res = json.loads((tmp_path / "rep" / "results.json").read_text())
+    assert set(res["aggregate"]["all"]["24"]) == {"base kvpop", "base streaming"}
+    assert report.main([*args, "--shard", "1/2"]) == 0
+    assert "3 documents, 2 in this shard, 8 of 12 units to run" in capsys.readouterr().err
+    assert report.main([*args, "--shard", "2/2"]) == 0
+    assert report.main([*args, "--shard", "1/2"]) == 0  # resumed: nothing left to run
+    assert "2 in this shard, 0 of 12 units to run" in capsys.readouterr().err
+    res = json.loads((tmp_path / "rep" / "results.json").read_text())
+    assert len(res["documents"]) == 3 and (tmp_path / "rep" / "adapt.png").stat().st_size > 0
+    agg = res["aggregate"]
+    assert agg["in_domain"]["n_docs"] == 2 and agg["out_of_domain"]["n_docs"] == 1 and agg["all"]["n_docs"] == 3
+    want = compare_adapted(tiny_model("llama"), tmp_path / "kv" / "adapter", ids,
+                           streaming_bundle=tmp_path / "st" / "adapter", merge=True)["budgets"]["24"]  # fmt: skip
+    for row, e in agg["all"]["24"].items():
+        assert e["retention"] == pytest.approx(want[row]["retention"], rel=1e-6), row
+        assert e["ci"]["retention"][0] <= e["ci"]["retention"][1]
+    wl = agg["all"]["24"]["base kvpop"]
+    assert wl["subject_wins"] + wl["subject_losses"] <= 3 and "subject_wins" not in agg["all"]["24"]["adapted kvpop"]
+    assert "kvpop, adapted" in (tmp_path / "rep" / "table.md").read_text()
+    # another StreamingLLM+ bundle: only the two rows that run it are run again
+    adapt(_cfg(tmp_path / "st2", docs, mask="streaming", steps=3), tiny_model("llama"), tok)
+    assert report.main([*args[:2], "--streaming-bundle", str(tmp_path / "st2" / "adapter"), *args[4:]]) == 0
+    assert "3 documents, 3 in this shard, 6 of 18 units to run" in capsys.readouterr().err
+    # bad input: one clear error, exit 2, before any model loads
+    assert report.main([*args, "--compression", "1.5"]) == 2
+    assert "--compression values must be in (0, 1)" in capsys.readouterr().err
+    assert report.main([*args[:1], str(tmp_path), *args[2:]]) == 2
+    assert "is not a kvpop adapter bundle" in capsys.readouterr().err
+    assert report.main([*args, "--shard", "3/2"]) == 2

@@ -113,3 +113,35 @@ def test_info_shows_the_split_and_lam_the_cache_would_use(tiny, capsys):
     assert budget["policy"] == "knorm" and budget["window"] == 2 and budget["lam"] == 0.0
     # a learned policy named explicitly on the wrong model is the usual clear error
     assert main(["info", "--model", str(root / "model"), "--policy", "kvpop", "--budget", "16"]) == 2
+
+
+def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
+    """--adapter loads a bundle and its scorer serves the default policy; --base-model excludes it;
+    the shipped bundle is used by default only for the embedded model."""
+    import argparse
+
+    from kvpop import checkpoint
+    from kvpop.adapters import add_lora, save_adapter_bundle
+    from kvpop.cli import _generate_adapter
+    from kvpop.testing import tiny_model
+
+    root, _ = tiny
+    scorer = build_scorer(ScorerConfig(kind="mlstm", num_layers=2, kv_heads=2, head_dim=16))
+    save_adapter_bundle(add_lora(tiny_model("llama")), scorer, tmp_path / "bundle", {"trained_for": {"budgets": [16]}})
+    assert _generate(root, "--adapter", str(tmp_path / "bundle")) == 0  # not the shipped scorer (which would fail)
+    err = capsys.readouterr().err
+    assert "adapted model:" in err and "policy=kvpop " in err
+    assert _generate(root, "--adapter", str(tmp_path / "bundle"), "--base-model") == 2
+    assert "--adapter and --base-model exclude each other" in capsys.readouterr().err
+
+    def args(**kw):
+        base = {"adapter": None, "base_model": False, "model": None, "scorer": None}
+        return argparse.Namespace(**{**base, **kw})
+
+    monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "bundle")
+    assert _generate_adapter(args(), "kvpop") == "default"  # the embedded model, default policy: adapted
+    assert _generate_adapter(args(base_model=True), "kvpop") is None
+    assert _generate_adapter(args(), "streaming") is None and _generate_adapter(args(), "dense") is None
+    assert _generate_adapter(args(model="x"), "kvpop") is None and _generate_adapter(args(scorer="s"), "kvpop") is None
+    monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "none")
+    assert _generate_adapter(args(), "kvpop") is None  # nothing shipped: the base model

@@ -27,6 +27,8 @@ from .scorers import ScorerConfig, ScorerStack, build_scorer
 FORMAT = "kvpop-scorer-v1"
 ASSETS = Path(__file__).parent / "assets" / "scorers"
 DEFAULT_SCORERS = {"mlstm": ASSETS / "smollm2-135m-instruct-mlstm.safetensors", "mlp": ASSETS / "smollm2-135m-instruct-mlp.safetensors"}
+# the embedded model adapted to its bounded cache (kvpop adapt): LoRA adapter + the mLSTM scorer trained with it
+DEFAULT_ADAPTER = ASSETS.parent / "adapters" / "smollm2-135m-instruct-kvpop"
 
 
 class ScorerMismatchError(ValueError):
@@ -167,6 +169,16 @@ def load_scorer(path: str | os.PathLike, model=None, config=None) -> tuple[Score
         state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
     scorer.load_state_dict(state)
     return scorer.eval(), meta
+
+
+def default_adapter_path() -> Path:
+    """The shipped adapter bundle of the embedded model (``kvpop.load_model(adapter="default")``)."""
+    if not (DEFAULT_ADAPTER / "kvpop_adapter.json").is_file():
+        raise FileNotFoundError(
+            f"no shipped adapter bundle at {DEFAULT_ADAPTER}; make one with `kvpop adapt --out DIR` and pass "
+            "adapter=DIR/best"
+        )
+    return DEFAULT_ADAPTER
 
 
 def default_scorer_path(kind: str) -> Path:

@@ -14,7 +14,7 @@ BENCHMARKS = ("targets", "generate", "overhead", "prefill")
 DEMO_QUESTION = "In one sentence, what is the main advice of the essay above?"
 
 
-def load_model_quietly(name_or_path=None):
+def load_model_quietly(name_or_path=None, adapter=None):
     """``kvpop.load_model`` for the command line: kvpop's one-time conversion messages, but not
     transformers' per-load "Loading weights" bar (noise on every run)."""
     from transformers.utils import logging as hf_logging
@@ -24,7 +24,7 @@ def load_model_quietly(name_or_path=None):
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        return load_model(name_or_path, progress=True)
+        return load_model(name_or_path, progress=True, adapter=adapter)
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
@@ -137,6 +137,20 @@ def _read_prompt(args) -> str:
     return args.prompt
 
 
+def _generate_adapter(args, policy: str):
+    """The adapter bundle `kvpop generate` loads: --adapter, else the shipped one for the embedded
+    model under the default learned policy (its own scorer), unless --base-model."""
+    from .checkpoint import DEFAULT_ADAPTER
+
+    if args.adapter is not None:
+        if args.base_model:
+            raise ValueError("--adapter and --base-model exclude each other")
+        return args.adapter
+    if args.base_model or args.model is not None or args.scorer is not None or policy != DEFAULT_POLICY:
+        return None
+    return "default" if (DEFAULT_ADAPTER / "kvpop_adapter.json").is_file() else None
+
+
 def cmd_generate(args) -> int:
     from .generate import generate
 
@@ -146,10 +160,14 @@ def cmd_generate(args) -> int:
     else:
         policy = args.policy or DEFAULT_POLICY
         policy_kwargs = {"seed": args.seed} if policy == "random" else {}
+    adapter = _generate_adapter(args, policy)
     prompt = _read_prompt(args)
     t0 = time.perf_counter()
-    model, tok = load_model_quietly(args.model)
+    model, tok = load_model_quietly(args.model, adapter=adapter)
     print(f"[kvpop] model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    if adapter is not None:
+        print(f"[kvpop] adapted model: {model.kvpop_adapter.path} (LoRA + its scorer; --base-model for the base "
+              "model)", file=sys.stderr)  # fmt: skip
     kwargs = {} if policy == "dense" else _cache_kwargs(args)
     if policy != "dense":
         kwargs["compile"] = args.compile
@@ -200,6 +218,12 @@ def cmd_diagnose(rest: list[str]) -> int:
     return diagnose_main(rest)
 
 
+def cmd_compare_adapted(rest: list[str]) -> int:
+    from .adapt.report import main as report_main
+
+    return report_main(rest)
+
+
 def cmd_eval(rest: list[str]) -> int:
     from .evaluate.cli import main as eval_main
 
@@ -233,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--scorer", metavar="PATH", default=None,
                     help="a scorer checkpoint (.safetensors from kvpop train); its kind picks kvpop or kvpop-mlp")  # fmt: skip
     pg.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    pg.add_argument("--adapter", metavar="DIR", default=None,
+                    help="an adapter bundle (kvpop adapt) to load onto the model; its scorer serves the learned policy")
+    pg.add_argument("--base-model", action="store_true",
+                    help="with the default policy on the embedded model: use the base model and its scorer, not the "
+                         "shipped adapted bundle")  # fmt: skip
     pg.add_argument("--compile", action="store_true",
                     help="torch.compile the cache's steady decode step (a few seconds once, faster steps after)")
 
@@ -241,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", help="train a KVpop scorer (see `kvpop train --help`)", add_help=False)
     sub.add_parser("adapt", help="adapt the LLM to the bounded cache with LoRA (see `kvpop adapt --help`)",
                    add_help=False)  # fmt: skip
+    sub.add_parser("compare-adapted", add_help=False,
+                   help="retention of the adapted model vs the base model under kvpop and StreamingLLM(+) on the "
+                        "test splits (see `kvpop compare-adapted --help`)")  # fmt: skip
     sub.add_parser("diagnose", help="diagnostics of the learned scorer (see `kvpop diagnose noisy-oracle --help`)",
                    add_help=False)  # fmt: skip
     sub.add_parser("eval", help="evaluate policies and budgets (see `kvpop eval --help`)", add_help=False)
@@ -250,8 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train", "eval", "diagnose", "adapt"):
-        run = {"train": cmd_train, "eval": cmd_eval, "diagnose": cmd_diagnose, "adapt": cmd_adapt}[argv[0]]
+    if argv and argv[0] in ("train", "eval", "diagnose", "adapt", "compare-adapted"):
+        run = {"train": cmd_train, "eval": cmd_eval, "diagnose": cmd_diagnose, "adapt": cmd_adapt,
+               "compare-adapted": cmd_compare_adapted}[argv[0]]
         return run(argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:  # the benchmark parses (and --help) its own options
         return cmd_bench(argv[1], argv[2:])

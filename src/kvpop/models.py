@@ -424,11 +424,12 @@ def load_model(
       - a local Hugging Face model folder (``config.json`` + weights + tokenizer files);
       - a ``.gguf`` file, converted once to the kvpop cache (keyed by its path, size and mtime).
 
-    ``adapter``: a kvpop adapter bundle folder (``kvpop.adapters.save_adapter_bundle``) to put onto
-    the loaded model: the model returned is then a ``peft`` model with the adapter on (or, with
+    ``adapter``: a kvpop adapter bundle folder (``kvpop.adapters.save_adapter_bundle``), or
+    ``"default"`` for the bundle shipped with the embedded model, to put onto the loaded model: the model returned is then a ``peft`` model with the adapter on (or, with
     ``merge=True``, the plain model with the LoRA weights merged in), and ``model.kvpop_adapter``
-    holds the bundle's scorer (or ``None``) and metadata. A bundle trained on another base model
-    raises ``kvpop.adapters.AdapterMismatchError``.
+    holds the bundle's scorer (or ``None``) and metadata; a learned policy on that model uses the
+    bundle's scorer unless given another. A bundle trained on another base model raises
+    ``kvpop.adapters.AdapterMismatchError``. The default (``None``) is the base model.
 
     The tokenizer is returned with ``padding_side="left"`` (and ``pad_token`` = ``eos_token`` if it
     had none). ``progress=False`` silences the conversion messages and progress bars.
@@ -441,6 +442,13 @@ def load_model(
     if kind == "gguf":
         path = convert_gguf(path, progress=progress)
     model, tokenizer = _load_folder(path, dtype, device, progress)
+    if adapter is not None and os.fspath(adapter) == "default":
+        if kind != "gguf" or path != default_gguf_path():
+            raise ValueError(f'adapter="default" is the shipped bundle of the embedded {DEFAULT_MODEL_NAME}; '
+                             f"{name_or_path!r} needs adapter=PATH (a bundle from kvpop adapt)")  # fmt: skip
+        from .checkpoint import default_adapter_path
+
+        adapter = default_adapter_path()
     if adapter is not None:
         from .adapters import load_adapter_bundle
 

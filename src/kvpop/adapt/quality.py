@@ -8,8 +8,9 @@ adapted model's own dense retention (how far the adapter moved the model; it sho
 about 1%).
 
 * :class:`AdaptProbe` -- validation during ``kvpop adapt`` (model selection, ``best/``);
-* :func:`compare_adapted` -- the report table: adapted kvpop, adapted streaming, base kvpop,
-  base streaming, adapted dense, from a base model and a bundle, through the public API.
+* :class:`Comparison` / :func:`compare_adapted` -- the report table: adapted kvpop, adapted
+  streaming, base kvpop, base streaming, adapted dense, from a base model and a bundle, through
+  the public API (``kvpop compare-adapted`` runs it over the test splits).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from ..train.quality import VALIDATION_SEED
 from .config import AdaptConfig
 from .loop import base_model
 
-__all__ = ["AdaptProbe", "compare_adapted"]
+__all__ = ["AdaptProbe", "Comparison", "compare_adapted"]
 
 
 def _metrics(sums: Sums) -> dict:
@@ -127,94 +128,124 @@ def _window(tf: dict, budget: int, windows: dict | None) -> int:
     return max(1, budget // 8) if window is None else window
 
 
-@torch.no_grad()
-def compare_adapted(base_model, bundle, docs, budgets=None, *, streaming_bundle=None, base_scorer=None,
-                    windows: dict | None = None, sinks: int | None = None, lam: float | None = None) -> dict:  # fmt: skip
-    """Retention of the adapted and the base model under kvpop and StreamingLLM, and the adapted
-    model dense, all against the BASE model's dense outputs, on ``docs``.
+class Comparison:
+    """The report's models and policies, built once; :meth:`document` scores one document.
 
     ``base_model``: the plain base model (left untouched: each bundle goes onto a copy).
     ``bundle``: a kvpop adapter bundle with a scorer (``kvpop adapt --mask kvpop``).
-    ``docs``: 1-D token-id tensors, or ``(label, ids)`` pairs. ``budgets``: default the bundle's.
-    ``streaming_bundle``: the StreamingLLM+ control (``kvpop adapt --mask streaming``); "adapted
-    streaming" uses its adapter (else the kvpop bundle's adapter under StreamingLLM).
-    ``base_scorer``: the scorer for "base kvpop" (a path or a ``ScorerStack``; default the scorer
-    the bundle was trained from, if that file is still there, else the bundle's own scorer).
-    ``windows`` ``{budget: window}``, ``sinks``, ``lam``: default what the bundle was trained for.
-    Every row is scored over positions ``>= B`` (dense rows too, at each budget).
+    ``budgets``: default the bundle's. ``streaming_bundle``: the StreamingLLM+ control (``kvpop
+    adapt --mask streaming``); "adapted streaming" uses its adapter (else the kvpop bundle's
+    adapter under StreamingLLM). ``base_scorer``: the scorer for "base kvpop" (a path or a
+    ``ScorerStack``; default the scorer the bundle was trained from, if that file is still there,
+    else the bundle's own scorer). ``windows`` ``{budget: window}``, ``sinks``, ``lam``: default
+    what the bundle was trained for. ``merge=True`` merges the LoRA weights into copies of the
+    base model (faster; equal up to float rounding).
+    """
+
+    def __init__(self, base_model, bundle, budgets=None, *, streaming_bundle=None, base_scorer=None,
+                 windows: dict | None = None, sinks: int | None = None, lam: float | None = None,
+                 merge: bool = False) -> None:  # fmt: skip
+        header = read_bundle_meta(bundle)
+        tf = header.get("meta", {}).get("trained_for") or {}
+        self.budgets = [int(b) for b in (budgets or tf.get("budgets") or [])]
+        if not self.budgets:
+            raise ValueError("give budgets (the bundle records none)")
+        self.sinks = int(tf.get("sinks", 4) if sinks is None else sinks)
+        self.lam = float(tf.get("lam") or 0.0) if lam is None else float(lam)
+        self.windows = {b: _window(tf, b, windows) for b in self.budgets}
+        self.base_model = base_model.eval()
+        adapted = load_adapter_bundle(copy.deepcopy(base_model), bundle, merge=merge)
+        if adapted.scorer is None:
+            raise ValueError(f"{bundle} has no scorer (a --mask streaming bundle?); pass it as streaming_bundle=")
+        adapted_scorer = adapted.scorer.to(base_model.device)
+        stream_model = adapted.model
+        if streaming_bundle is not None:
+            stream_model = load_adapter_bundle(copy.deepcopy(base_model), streaming_bundle, merge=merge).model
+        base_source = "the bundle's own scorer"
+        if base_scorer is None:
+            start = (header.get("meta", {}).get("trained_from") or {}).get("scorer")
+            if start and Path(start).is_file():
+                base_scorer, base_source = start, str(start)
+            else:
+                base_scorer = adapted_scorer
+        if isinstance(base_scorer, (str, Path)):
+            base_source = str(base_scorer)
+            base_scorer, _ = load_scorer(base_scorer, model=base_model)
+        elif base_scorer is not adapted_scorer:
+            base_source = "given ScorerStack"
+        base_scorer = base_scorer.to(base_model.device)
+        self.rows = {
+            "adapted kvpop": (adapted.model, LearnedPolicy(adapted_scorer)),
+            "adapted streaming": (stream_model, "streaming"),
+            "base kvpop": (base_model, LearnedPolicy(base_scorer)),
+            "base streaming": (base_model, "streaming"),
+            "adapted dense": (adapted.model, None),
+        }
+        if streaming_bundle is not None:
+            self.rows["streaming+ dense"] = (stream_model, None)
+        stream_source = Path(streaming_bundle if streaming_bundle is not None else bundle)
+        # which bundle's weights each row runs (None: the base model alone, with base_source's scorer)
+        self.row_bundle = {"adapted kvpop": Path(bundle), "adapted streaming": stream_source, "base kvpop": None,
+                           "base streaming": None, "adapted dense": Path(bundle), "streaming+ dense": stream_source}  # fmt: skip
+        self.settings = {
+            "windows": {str(b): w for b, w in self.windows.items()}, "sinks": self.sinks, "lam": self.lam,
+            "bundle": str(bundle), "streaming_bundle": None if streaming_bundle is None else str(streaming_bundle),
+            "base_scorer": base_source, "merged": merge,
+        }  # fmt: skip
+
+    @torch.no_grad()
+    def base_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """The base model's dense hidden states: what every row is scored against."""
+        return hidden_states(self.base_model, ids.view(-1).cpu(), None)
+
+    @torch.no_grad()
+    def row(self, name: str, ids: torch.Tensor, base_hidden: torch.Tensor) -> dict[int, Sums]:
+        """``{budget: Sums}`` of one row on one document, against the base model's dense outputs
+        over positions ``>= B`` (a dense row too, at each budget)."""
+        ids = ids.view(-1).cpu()
+        m, policy = self.rows[name]
+        dense = hidden_states(m, ids, None) if policy is None else None
+        out: dict[int, Sums] = {}
+        for b in self.budgets:
+            if policy is None:
+                ph = dense
+            else:
+                stream = policy == "streaming"
+                cache = make_cache(m, policy, budget=b, window=b - self.sinks if stream else self.windows[b],
+                                   sinks=self.sinks, lam=0.0 if stream else self.lam)  # fmt: skip
+                ph = hidden_states(m, ids, cache)
+            out[b] = sums_from_hidden(self.base_model, base_hidden, ph, ids, b)
+        return out
+
+    def document(self, ids: torch.Tensor) -> dict[int, dict[str, Sums]]:
+        """``{budget: {row: Sums}}`` of one document (every row, see :meth:`row`)."""
+        bh = self.base_hidden(ids)
+        per_row = {r: self.row(r, ids, bh) for r in self.rows}
+        return {b: {r: per_row[r][b] for r in self.rows} for b in self.budgets}
+
+
+@torch.no_grad()
+def compare_adapted(base_model, bundle, docs, budgets=None, *, streaming_bundle=None, base_scorer=None,
+                    windows: dict | None = None, sinks: int | None = None, lam: float | None = None,
+                    merge: bool = False) -> dict:  # fmt: skip
+    """Retention of the adapted and the base model under kvpop and StreamingLLM, and the adapted
+    model dense, all against the BASE model's dense outputs, on ``docs`` (1-D token-id tensors, or
+    ``(label, ids)`` pairs); the other arguments as :class:`Comparison`. ``kvpop compare-adapted``
+    is the resumable, splittable command over the test splits.
 
     Returns ``{"budgets": {"B": {row: metrics (+ "per_doc")}}, "settings": {...}}``; rows:
     ``adapted kvpop``, ``adapted streaming``, ``base kvpop``, ``base streaming``, ``adapted dense``
     (and ``streaming+ dense`` with ``streaming_bundle``).
     """
-    header = read_bundle_meta(bundle)
-    tf = header.get("meta", {}).get("trained_for") or {}
-    budgets = [int(b) for b in (budgets or tf.get("budgets") or [])]
-    if not budgets:
-        raise ValueError("give budgets (the bundle records none)")
-    sinks = int(tf.get("sinks", 4) if sinks is None else sinks)
-    lam = float(tf.get("lam") or 0.0) if lam is None else float(lam)
+    cmp = Comparison(base_model, bundle, budgets, streaming_bundle=streaming_bundle, base_scorer=base_scorer,
+                     windows=windows, sinks=sinks, lam=lam, merge=merge)  # fmt: skip
     docs = [d if isinstance(d, tuple) else (f"doc{i}", d) for i, d in enumerate(docs)]
-    docs = [(label, ids.view(-1).cpu()) for label, ids in docs]
-
-    base_model.eval()
-    adapted = load_adapter_bundle(copy.deepcopy(base_model), bundle)
-    if adapted.scorer is None:
-        raise ValueError(f"{bundle} has no scorer (a --mask streaming bundle?); pass it as streaming_bundle=")
-    adapted_scorer = adapted.scorer.to(base_model.device)
-    stream_model = adapted.model
-    if streaming_bundle is not None:
-        stream_model = load_adapter_bundle(copy.deepcopy(base_model), streaming_bundle).model
-    base_source = "the bundle's own scorer"
-    if base_scorer is None:
-        start = (header.get("meta", {}).get("trained_from") or {}).get("scorer")
-        if start and Path(start).is_file():
-            base_scorer, base_source = start, str(start)
-        else:
-            base_scorer = adapted_scorer
-    if isinstance(base_scorer, (str, Path)):
-        base_source = str(base_scorer)
-        base_scorer, _ = load_scorer(base_scorer, model=base_model)
-    elif base_scorer is not adapted_scorer:
-        base_source = "given ScorerStack"
-    base_scorer = base_scorer.to(base_model.device)
-
-    rows = {
-        "adapted kvpop": (adapted.model, LearnedPolicy(adapted_scorer)),
-        "adapted streaming": (stream_model, "streaming"),
-        "base kvpop": (base_model, LearnedPolicy(base_scorer)),
-        "base streaming": (base_model, "streaming"),
-        "adapted dense": (adapted.model, None),
-    }
-    if streaming_bundle is not None:
-        rows["streaming+ dense"] = (stream_model, None)
-    sums = {b: {r: Sums() for r in rows} for b in budgets}
-    per_doc = {b: {r: [] for r in rows} for b in budgets}
+    sums = {b: {r: Sums() for r in cmp.rows} for b in cmp.budgets}
+    per_doc = {b: {r: [] for r in cmp.rows} for b in cmp.budgets}
     for label, ids in docs:
-        bh = hidden_states(base_model, ids, None)
-        dense_h = {}
-        for b in budgets:
-            w = _window(tf, b, windows)
-            for r, (m, policy) in rows.items():
-                if policy is None:
-                    if id(m) not in dense_h:
-                        dense_h[id(m)] = hidden_states(m, ids, None)
-                    ph = dense_h[id(m)]
-                else:
-                    stream = policy == "streaming"
-                    cache = make_cache(m, policy, budget=b, window=b - sinks if stream else w, sinks=sinks,
-                                       lam=0.0 if stream else lam)  # fmt: skip
-                    ph = hidden_states(m, ids, cache)
-                s = sums_from_hidden(base_model, bh, ph, ids, b)
+        for b, rows in cmp.document(ids).items():
+            for r, s in rows.items():
                 sums[b][r] = sums[b][r].add(s)
                 per_doc[b][r].append({"doc": label, "retention": s.metrics()["retention"]})
-    result = {str(b): {r: {**_metrics(sums[b][r]), "per_doc": per_doc[b][r]} for r in rows} for b in budgets}
-    return {
-        "budgets": result,
-        "settings": {
-            "windows": {str(b): _window(tf, b, windows) for b in budgets}, "sinks": sinks, "lam": lam,
-            "bundle": str(bundle), "streaming_bundle": None if streaming_bundle is None else str(streaming_bundle),
-            "base_scorer": base_source, "docs": [label for label, _ in docs],
-        },
-    }  # fmt: skip
-
+    result = {str(b): {r: {**_metrics(sums[b][r]), "per_doc": per_doc[b][r]} for r in cmp.rows} for b in cmp.budgets}
+    return {"budgets": result, "settings": {**cmp.settings, "docs": [label for label, _ in docs]}}

@@ -138,7 +138,8 @@ class LearnedPolicy(Policy):
 
 
 def learned_policy_factory(kind: str):
-    """Factory registered as ``kvpop`` / ``kvpop-mlp``: a given scorer, a checkpoint path, or the shipped one.
+    """Factory registered as ``kvpop`` / ``kvpop-mlp``: a given scorer, a checkpoint path, the scorer
+    of the adapter bundle ``model`` was loaded with (``load_model(adapter=...)``), or the shipped one.
 
     ``model=``: also check the checkpoint's weight hash against it (the config part is checked
     by every cache the policy is used in).
@@ -148,6 +149,12 @@ def learned_policy_factory(kind: str):
         from ..checkpoint import default_scorer_path, load_scorer
 
         fingerprint = source = trained = None
+        bundled = getattr(getattr(model, "kvpop_adapter", None), "scorer", None)
+        if scorer is None and path is None and bundled is not None and bundled.config.kind == kind:
+            # a model loaded with an adapter bundle: the scorer trained with that adapter
+            info = model.kvpop_adapter
+            return LearnedPolicy(bundled, source=f"{info.path} (adapter bundle)",
+                                 trained_for=(info.meta.get("meta") or {}).get("trained_for"))  # fmt: skip
         if scorer is None:
             path = path or default_scorer_path(kind)
             scorer, meta = load_scorer(path, model=model)
