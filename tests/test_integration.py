@@ -60,3 +60,22 @@ def test_shipped_scorers_default_to_their_trained_window(real):
         for budget in (512, 1024):
             cache = kvpop.KVpopCache(model.config, budget=budget, policy=name)
             assert cache.eviction.window == budget // 2 and cache.eviction.lam == 0.0
+
+
+def test_shipped_adapter_loads_onto_the_embedded_model_and_serves_kvpop(real):
+    """load_model(adapter="default"): the shipped LoRA bundle; its scorer serves policy "kvpop";
+    the adapted model is a slightly different model; the adapter off gives the base model back."""
+    from kvpop.adapters import teacher_mode
+
+    base, tok = real
+    model, _ = kvpop.load_model(adapter="default", progress=False)
+    assert model.kvpop_adapter.scorer is not None
+    cache = kvpop.make_cache(model, "kvpop", budget=512)
+    assert "adapter bundle" in cache.policy.source and cache.eviction.window == 256
+    ids = tok("The quick brown fox jumps over the lazy dog. " * 6, return_tensors="pt").input_ids[:, :48]
+    with torch.no_grad():
+        want = base(ids).logits
+        got = model(ids).logits
+        assert 0 < (got - want).abs().max() < 5
+        with teacher_mode(model):
+            torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ BENCHMARKS = ("targets", "generate", "overhead", "prefill")
 DEMO_QUESTION = "In one sentence, what is the main advice of the essay above?"
 
 
-def load_model_quietly(name_or_path=None, adapter=None):
+def load_model_quietly(name_or_path=None, adapter=None, merge: bool = False):
     """``kvpop.load_model`` for the command line: kvpop's one-time conversion messages, but not
     transformers' per-load "Loading weights" bar (noise on every run)."""
     from transformers.utils import logging as hf_logging
@@ -24,7 +24,7 @@ def load_model_quietly(name_or_path=None, adapter=None):
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        return load_model(name_or_path, progress=True, adapter=adapter)
+        return load_model(name_or_path, progress=True, adapter=adapter, merge=merge)
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
@@ -163,7 +163,8 @@ def cmd_generate(args) -> int:
     adapter = _generate_adapter(args, policy)
     prompt = _read_prompt(args)
     t0 = time.perf_counter()
-    model, tok = load_model_quietly(args.model, adapter=adapter)
+    # LoRA merged into the weights: the same model, no adapter layers on the decode path
+    model, tok = load_model_quietly(args.model, adapter=adapter, merge=adapter is not None)
     print(f"[kvpop] model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if adapter is not None:
         print(f"[kvpop] adapted model: {model.kvpop_adapter.path} (LoRA + its scorer; --base-model for the base "

@@ -439,11 +439,12 @@ def load_model(
     """
     _set_offline()
     kind, path = _resolve(name_or_path)
+    embedded = kind == "gguf" and path == default_gguf_path()
     if kind == "gguf":
         path = convert_gguf(path, progress=progress)
     model, tokenizer = _load_folder(path, dtype, device, progress)
     if adapter is not None and os.fspath(adapter) == "default":
-        if kind != "gguf" or path != default_gguf_path():
+        if not embedded:
             raise ValueError(f'adapter="default" is the shipped bundle of the embedded {DEFAULT_MODEL_NAME}; '
                              f"{name_or_path!r} needs adapter=PATH (a bundle from kvpop adapt)")  # fmt: skip
         from .checkpoint import default_adapter_path
