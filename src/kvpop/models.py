@@ -425,7 +425,8 @@ def load_model(
       - a ``.gguf`` file, converted once to the kvpop cache (keyed by its path, size and mtime).
 
     ``adapter``: a kvpop adapter bundle folder (``kvpop.adapters.save_adapter_bundle``), or
-    ``"default"`` for the bundle shipped with the embedded model, to put onto the loaded model: the model returned is then a ``peft`` model with the adapter on (or, with
+    ``"default"`` for the bundle shipped with the embedded model, to put onto the loaded model:
+    the model returned is then a ``peft`` model with the adapter on (or, with
     ``merge=True``, the plain model with the LoRA weights merged in), and ``model.kvpop_adapter``
     holds the bundle's scorer (or ``None``) and metadata; a learned policy on that model uses the
     bundle's scorer unless given another. A bundle trained on another base model raises
@@ -440,9 +441,6 @@ def load_model(
     _set_offline()
     kind, path = _resolve(name_or_path)
     embedded = kind == "gguf" and path == default_gguf_path()
-    if kind == "gguf":
-        path = convert_gguf(path, progress=progress)
-    model, tokenizer = _load_folder(path, dtype, device, progress)
     if adapter is not None and os.fspath(adapter) == "default":
         if not embedded:
             raise ValueError(f'adapter="default" is the shipped bundle of the embedded {DEFAULT_MODEL_NAME}; '
@@ -450,6 +448,9 @@ def load_model(
         from .checkpoint import default_adapter_path
 
         adapter = default_adapter_path()
+    if kind == "gguf":
+        path = convert_gguf(path, progress=progress)
+    model, tokenizer = _load_folder(path, dtype, device, progress)
     if adapter is not None:
         from .adapters import load_adapter_bundle
 
