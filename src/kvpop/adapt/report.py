@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..config import budget_of_compression
 from ..evaluate.core import Sums, doc_key
+from ..evaluate.harness import _parse_shard
 from ..evaluate.stats import bootstrap_pooled, sums_from_dict, sums_to_dict
 from ..evaluate.store import RecordStore, StoreMismatch
 
@@ -75,18 +76,6 @@ def _sha(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _shard(text: str | None) -> tuple[int, int] | None:
-    if text is None:
-        return None
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise ValueError(f"--shard must look like i/n (e.g. 1/2), got {text!r}") from None
-    if not 1 <= i <= n:
-        raise ValueError(f"--shard i/n needs 1 <= i <= n, got {text!r}")
-    return i, n
-
-
 def _check(args) -> tuple[list[int], tuple[int, int] | None]:
     for name in ("bundle", "streaming_bundle"):
         path = getattr(args, name)
@@ -102,7 +91,7 @@ def _check(args) -> tuple[list[int], tuple[int, int] | None]:
         if not 0.0 < c < 1.0:
             raise ValueError(f"--compression values must be in (0, 1), got {c}")
         budgets.append(budget_of_compression(c, args.doc_tokens))
-    return budgets, _shard(args.shard)
+    return budgets, _parse_shard(args.shard)
 
 
 # ------------------------------------------------------------------------------ aggregation
