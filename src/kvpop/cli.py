@@ -140,7 +140,7 @@ def _read_prompt(args) -> str:
 def _generate_adapter(args, policy: str):
     """The adapter bundle `kvpop generate` loads: --adapter, else the shipped one for the embedded
     model under the default learned policy (its own scorer), unless --base-model."""
-    from .checkpoint import DEFAULT_ADAPTER
+    from .checkpoint import default_adapter_path
 
     if args.adapter is not None:
         if args.base_model:
@@ -148,7 +148,11 @@ def _generate_adapter(args, policy: str):
         return args.adapter
     if args.base_model or args.model is not None or args.scorer is not None or policy != DEFAULT_POLICY:
         return None
-    return "default" if (DEFAULT_ADAPTER / "kvpop_adapter.json").is_file() else None
+    try:
+        default_adapter_path()
+    except FileNotFoundError:  # no bundle shipped: the base model
+        return None
+    return "default"
 
 
 def cmd_generate(args) -> int:

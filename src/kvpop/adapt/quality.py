@@ -174,19 +174,18 @@ class Comparison:
         elif base_scorer is not adapted_scorer:
             base_source = "given ScorerStack"
         base_scorer = base_scorer.to(base_model.device)
+        bundle = Path(bundle)
+        stream_source = Path(streaming_bundle) if streaming_bundle is not None else bundle
+        # row -> (model, policy or None for dense, the bundle whose weights it runs or None for the base model)
         self.rows = {
-            "adapted kvpop": (adapted.model, LearnedPolicy(adapted_scorer)),
-            "adapted streaming": (stream_model, "streaming"),
-            "base kvpop": (base_model, LearnedPolicy(base_scorer)),
-            "base streaming": (base_model, "streaming"),
-            "adapted dense": (adapted.model, None),
+            "adapted kvpop": (adapted.model, LearnedPolicy(adapted_scorer), bundle),
+            "adapted streaming": (stream_model, "streaming", stream_source),
+            "base kvpop": (base_model, LearnedPolicy(base_scorer), None),
+            "base streaming": (base_model, "streaming", None),
+            "adapted dense": (adapted.model, None, bundle),
         }
         if streaming_bundle is not None:
-            self.rows["streaming+ dense"] = (stream_model, None)
-        stream_source = Path(streaming_bundle if streaming_bundle is not None else bundle)
-        # which bundle's weights each row runs (None: the base model alone, with base_source's scorer)
-        self.row_bundle = {"adapted kvpop": Path(bundle), "adapted streaming": stream_source, "base kvpop": None,
-                           "base streaming": None, "adapted dense": Path(bundle), "streaming+ dense": stream_source}  # fmt: skip
+            self.rows["streaming+ dense"] = (stream_model, None, stream_source)
         self.settings = {
             "windows": {str(b): w for b, w in self.windows.items()}, "sinks": self.sinks, "lam": self.lam,
             "bundle": str(bundle), "streaming_bundle": None if streaming_bundle is None else str(streaming_bundle),
@@ -203,7 +202,7 @@ class Comparison:
         """``{budget: Sums}`` of one row on one document, against the base model's dense outputs
         over positions ``>= B`` (a dense row too, at each budget)."""
         ids = ids.view(-1).cpu()
-        m, policy = self.rows[name]
+        m, policy, _ = self.rows[name]
         dense = hidden_states(m, ids, None) if policy is None else None
         out: dict[int, Sums] = {}
         for b in self.budgets:

@@ -24,7 +24,7 @@ from ..config import budget_of_compression
 from ..evaluate.core import Sums, doc_key
 from ..evaluate.harness import _parse_shard
 from ..evaluate.stats import bootstrap_pooled, sums_from_dict, sums_to_dict
-from ..evaluate.store import RecordStore, StoreMismatch
+from ..evaluate.store import RecordStore, StoreMismatch, _atomic_write
 
 ROW_ORDER = ("adapted kvpop", "base kvpop", "adapted streaming", "base streaming", "adapted dense", "streaming+ dense")
 LABELS = {
@@ -204,9 +204,7 @@ def _current(store: RecordStore, keys: dict[str, tuple]) -> list[dict]:
 def write(records: list[dict], budgets: list[int], settings: dict, out: Path) -> dict:
     results = {"settings": settings, "aggregate": aggregate(records, budgets), "documents": records,
                "wall_seconds_total": sum(r["wall_s"] for r in records)}  # fmt: skip
-    tmp = out / ".results.json.tmp"
-    tmp.write_text(json.dumps(results, indent=1, allow_nan=True) + "\n")
-    tmp.replace(out / "results.json")
+    _atomic_write(out / "results.json", json.dumps(results, indent=1, allow_nan=True) + "\n")
     (out / "table.md").write_text(table(results) + "\n")
     if results["aggregate"]:
         plot(results, out / "adapt.png")
@@ -233,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     ecfg = EvalConfig(docs=args.docs, doc_tokens=args.doc_tokens, corpora=tuple(args.corpora) if args.corpora else None)
     items = [(domain, corpus, j, ids) for domain, corpus, docs in corpus_documents(tokenizer, ecfg, notes)
              for j, ids in enumerate(docs)]  # fmt: skip
-    shas = {r: ("base" if p is None else _sha(p)) for r, p in cmp.row_bundle.items() if r in cmp.rows}
+    shas = {r: ("base" if src is None else _sha(src)) for r, (_, _, src) in cmp.rows.items()}
     settings = {
         **cmp.settings, "budgets": budgets, "doc_tokens": args.doc_tokens, "docs_per_corpus": args.docs,
         "row_weights": shas, "model": str(getattr(model.config, "_name_or_path", "")),
