@@ -32,7 +32,8 @@ def _generate(root, *extra):
 
 
 @pytest.mark.parametrize("bench,option", [("generate", "--decode-steps"), ("overhead", "--context"),
-                                          ("prefill", "--repeats"), ("targets", "--sizes")])  # fmt: skip
+                                          ("prefill", "--repeats"), ("targets", "--sizes"),
+                                          ("gpu", "--contexts")])  # fmt: skip
 def test_bench_subcommand_help_shows_its_options(bench, option, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", bench, "--help"])

@@ -142,7 +142,7 @@ def test_failed_compile_falls_back_to_eager_once(monkeypatch):
     """A compiler that fails warns once and the step runs eagerly with the same result."""
     from kvpop import fused
 
-    def broken(name):
+    def broken(name, device_type="cpu"):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(fused, "compiled", broken)

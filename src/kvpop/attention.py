@@ -43,9 +43,16 @@ class KVpopMask:
         return self._base_fn(**self._base_kwargs)
 
     def new_tokens(self, q_len: int) -> torch.Tensor | None:
+        """The new tokens' padding mask, or None when all of them are real: computed once per forward
+        (every layer gets this same object), so an unpadded batch costs one device sync per step, not
+        one per layer."""
         if self.padding is None:
             return None
-        return self.padding[:, -q_len:].bool()
+        memo = self.__dict__.setdefault("_new_tokens", {})
+        if q_len not in memo:
+            valid = self.padding[:, -q_len:].bool()
+            memo[q_len] = None if bool(valid.all()) else valid
+        return memo[q_len]
 
 
 class KVpopOffset(int):

@@ -161,17 +161,18 @@ class KVpopLayer(CacheLayerMixin):
     ) -> torch.Tensor:
         """Insert the chunk under the rule and attend; returns ``[b, q_len, q_heads, d]``."""
         b, _, c, _ = query.shape
-        if valid is None:
-            valid = torch.ones(b, c, dtype=torch.bool, device=query.device)
-        elif self.layer_idx == 0 or c > 1:  # every layer of a step gets the same padding mask: check it once
+        if valid is not None and (self.layer_idx == 0 or c > 1):  # every layer of a step gets the same mask: check it once
             _check_padding(valid, self.n_real)
-        if c == 1 and self.fast_decode and bool(valid.all()):
+        # valid=None (no padding) takes no device sync; the attention routing passes None for an all-real mask
+        if c == 1 and self.fast_decode and (valid is None or bool(valid.all())):
             if self.steady and self.min_real >= self.cfg.budget and self.cfg.k > 0:  # every slot held, every row exits
                 out = self._attend_steady(query, key_new, value_new, scaling)
             else:
                 out = self._attend_decode(query, key_new, value_new, scaling)
             self.seen += 1
             return out.transpose(1, 2)
+        if valid is None:
+            valid = torch.ones(b, c, dtype=torch.bool, device=query.device)
         outs = []
         step = self.cfg.chunk
         for start in range(0, c, step):
@@ -204,7 +205,8 @@ class KVpopLayer(CacheLayerMixin):
             batch = ExitBatch(self.layer_idx, ex_k, ex_v, (t - w).view(b, 1), k_new, v_new, t.view(b, 1), ex_obs, True, w)
             self.policy_state, prio = pol.score(self.policy_state, batch)
             prio = prio.float().view(b, h)
-            if torch.isnan(prio).any():
+            # checked every NAN_CHECK_EVERY steps, not every step: the check is a device sync
+            if self.seen % NAN_CHECK_EVERY == 0 and torch.isnan(prio).any():
                 raise RuntimeError(f"policy {pol.name} returned NaN scores at layer {self.layer_idx}")
             if timer is not None:
                 t0 = _tick(timer, "score", t0)
@@ -231,7 +233,7 @@ class KVpopLayer(CacheLayerMixin):
         fn = getattr(fused, name)
         if self.compile and fused.COMPILE_ERROR is None:
             try:
-                return fused.compiled(name)(*args)
+                return fused.compiled(name, self.device.type)(*args)
             except Exception as exc:  # noqa: BLE001 (no C++ compiler, an unsupported platform, ...: any failure)
                 fused.COMPILE_ERROR = f"{type(exc).__name__}: {exc}"  # no other layer or cache tries again
                 warnings.warn(f"torch.compile of the decode step failed ({fused.COMPILE_ERROR}); running it eagerly",
@@ -412,7 +414,7 @@ class KVpopLayer(CacheLayerMixin):
         else:
             mask = visible.unsqueeze(2).expand(b, h, g, c, n + c).reshape(b, h, g * c, n + c)
             out = torch.nn.functional.scaled_dot_product_attention(qv, all_k, all_v, attn_mask=mask, scale=scaling)
-            out = out.view(b, h * g, c, -1)
+            out = out.reshape(b, h * g, c, -1)  # CUDA kernels may return a non-contiguous layout
 
         # --- commit: long-range set, then sinks/ring -------------------------------------
         if kk > 0:
@@ -479,6 +481,9 @@ def _observed_sums_reference(p_mean, key_idx, n_real, valid, window: int, obs_wi
     new_idx = torch.where(valid, n_real.unsqueeze(1) + valid.long().cumsum(1) - 1, -1)
     age = new_idx.view(-1, 1, c, 1) - key_idx.unsqueeze(2)  # [b, h, c, nk]
     return torch.stack([(p_mean * (age >= window - o)).sum(dim=2) for o in obs_windows], -1)
+
+
+NAN_CHECK_EVERY = 64  # steady decode steps between checks of a heuristic policy's scores for NaN
 
 
 def _tick(timer: dict[str, float], phase: str, t0: float) -> float:

@@ -10,7 +10,7 @@ import time
 from .policies import DEFAULT_POLICY, KIND_TO_POLICY, policy_names
 
 EVICTION_POLICIES = policy_names(teacher_forced=False)  # dense + every policy that can generate
-BENCHMARKS = ("targets", "generate", "overhead", "prefill")
+BENCHMARKS = ("targets", "generate", "overhead", "prefill", "gpu")
 DEMO_QUESTION = "In one sentence, what is the main advice of the essay above?"
 
 

@@ -114,16 +114,18 @@ def steady_learned(spec: StepSpec, sspec: DecodeSpec, params: tuple, state, q: T
 
 
 @functools.cache
-def compiled(fn_name: str):
-    """``torch.compile`` of one of the steady-step functions (built on first use, shared by all caches).
+def compiled(fn_name: str, device_type: str = "cpu"):
+    """``torch.compile`` of one of the steady-step functions for one device type (built on first
+    use, shared by all caches).
 
     ``dynamic=False``: decode shapes are static, so each (budget, batch) compiles once. Raises
     whatever ``torch.compile`` raises when no compiler backend works here (the cache then falls
     back to the eager functions).
     """
     fn = {"steady_tail": steady_tail, "steady_learned": steady_learned}[fn_name]
+    if device_type != "cpu":  # inductor's defaults (Triton kernels on CUDA)
+        return torch.compile(fn, dynamic=False, fullgraph=True)
     # a C++ wrapper (less Python per call) and single-threaded kernels: the tensors of one decode
     # step are too small for a parallel region to pay for itself (measured: ~25 us less per layer
     # at 2 threads); the matmuls still use torch's threads
     return torch.compile(fn, dynamic=False, fullgraph=True, options={"cpp_wrapper": True, "cpp.threads": 1})
-

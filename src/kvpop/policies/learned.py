@@ -91,7 +91,18 @@ class LearnedPolicy(Policy):
         return tuple(window if o is None else min(o, window) for o in self.scorer.config.observed)
 
     def init_state(self, batch: int, num_kv_heads: int, layer_idx: int, device):
+        self.to(device)
         return self.scorer[layer_idx].init_state(batch, device=device, dtype=torch.float32)
+
+    def to(self, device) -> LearnedPolicy:
+        """Move the scorer to ``device``: a cache calls this with its keys' device, so a scorer loaded
+        on the CPU follows a model moved to a GPU. The decode kernels' weight views are rebuilt."""
+        device = torch.device(device)
+        p = next(self.scorer.parameters(), None)
+        if p is not None and p.device != device and device.type != "meta":
+            self.scorer.to(device)
+            self.__dict__.pop("_kernels", None)
+        return self
 
     def decode_kernel(self, layer_idx: int, window: int):
         """The scorer's decode spec and this layer's weights (detached views, kept between steps:
