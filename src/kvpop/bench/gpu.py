@@ -27,6 +27,7 @@ Runs on the CPU too, at small sizes (the tests do), where the flex rows are skip
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -254,28 +255,25 @@ def random_model(device: torch.device, dtype: torch.dtype, max_positions: int, *
 
 
 def shipped_like_policy(model, kind: str):
-    """A learned policy with the shipped scorer's architecture for ``model``: the shipped weights
-    when the shapes match, else a seeded random init (a step's cost is the same)."""
-    from ..checkpoint import default_scorer_path, read_header
+    """A learned policy with the shipped scorer's architecture for ``model``: the shipped scorer
+    itself when the shapes match (no fingerprint check: the weights here are random), else a
+    seeded random init of its configuration (a step's cost is the same)."""
+    from ..checkpoint import default_scorer_path, load_scorer
     from ..policies import LearnedPolicy
     from ..rope import RopeSpec
-    from ..scorers import ScorerConfig, build_scorer
+    from ..scorers import build_scorer
 
     path = default_scorer_path(kind)
-    header = read_header(path)
+    scorer, meta = load_scorer(path)
     text = model.config
-    cfg = dict(header["config"])
     shape = {"num_layers": text.num_hidden_layers, "kv_heads": text.num_key_value_heads, "head_dim": text.head_dim}
-    same = all(cfg[k] == v for k, v in shape.items())
-    scorer = build_scorer(ScorerConfig.from_dict({**cfg, **shape}))
-    if same:
-        from safetensors.torch import load_file
-
-        scorer.load_state_dict(load_file(str(path)))
-    elif scorer.config.position_free:
-        scorer.set_rope(RopeSpec.from_config(text))
-    trained = (header.get("meta") or {}).get("trained_for")
-    return LearnedPolicy(scorer.eval(), source=f"{path} ({'weights' if same else 'random init'})", trained_for=trained)
+    same = all(getattr(scorer.config, k) == v for k, v in shape.items())
+    if not same:
+        scorer = build_scorer(dataclasses.replace(scorer.config, **shape))
+        if scorer.config.position_free:
+            scorer.set_rope(RopeSpec.from_config(text))
+    return LearnedPolicy(scorer.eval(), source=f"{path} ({'weights' if same else 'random init'})",
+                         trained_for=meta.get("trained_for"))
 
 
 def _make_cache(model, row: str, budget: int, length: int):
@@ -315,12 +313,11 @@ def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int
     results = []
     for ctx in contexts:
         live: dict[str, dict] = {}
+        errors: list[dict] = []  # rows that failed at this context (the others still run)
         for row in rows:
             try:
-                if row == "floor" or row == "dense-static" or row not in state:
-                    length = ctx + total + 2
-                    cache = _make_cache(model, row, budget, length)
-                    state[row] = {"cache": cache, "pos": 0, "prefill_s": 0.0}
+                if row in ("floor", "dense-static") or row not in state:  # these two are sized per context
+                    state[row] = {"cache": _make_cache(model, row, budget, ctx + total + 2), "pos": 0}
                 st = state[row]
                 target = budget - total - 1 if row == "floor" else ctx
                 _sync(device)
@@ -338,12 +335,10 @@ def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int
                 st["times"] = []
                 live[row] = st
             except Exception as exc:  # noqa: BLE001 (a failing row is reported, the others still run)
-                results_row = {"name": row, "error": f"{type(exc).__name__}: {exc}",
-                               "traceback": traceback.format_exc(limit=8)}
+                errors.append({"name": row, "error": f"{type(exc).__name__}: {exc}",
+                               "traceback": traceback.format_exc(limit=8)})
                 state.pop(row, None)
-                live.pop(row, None)
-                log(f"ctx {ctx} {row}: {results_row['error']}")
-                state.setdefault("_errors", {})[row] = results_row
+                log(f"ctx {ctx} {row}: {errors[-1]['error']}")
         for _ in range(rounds):
             for row, st in live.items():
                 for _ in range(steps):
@@ -362,7 +357,7 @@ def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int
                              "overhead_share": 1 - floor / step, "steps": len(st["times"]),
                              "first_step_s": st["first_s"], "prefill_s": st["prefill_s"],
                              "prefill_tokens": st["prefilled"]})
-        out_rows += list(state.pop("_errors", {}).values())
+        out_rows += errors
         res = {"context": ctx, "budget": budget, "batch": batch, "floor_ms": floor, "dense_ms": dense, "rows": out_rows}
         if device.type == "cuda":
             res["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
