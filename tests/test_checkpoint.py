@@ -1,8 +1,10 @@
 """Scorer checkpoints meet models: config fingerprint always, weight hash when the model is at hand."""
 
+import copy
 import warnings
 
 import pytest
+import torch
 
 from kvpop import KVpopCache, get_policy
 from kvpop.checkpoint import (
@@ -29,7 +31,7 @@ def test_config_fingerprint_fields():
     fp = config_fingerprint(tiny_config("qwen3", num_hidden_layers=3))
     assert fp == {"model_type": "qwen3", "num_layers": 3, "q_heads": 4, "kv_heads": 2, "head_dim": 16,
                   "hidden_size": 64, "vocab_size": 128, "rope": {"rope_theta": 10000.0, "rope_type": "default"}}  # fmt: skip
-    assert set(model_fingerprint(tiny_model("qwen3"))) == set(fp) | {"weights_sha256"}
+    assert set(model_fingerprint(tiny_model("qwen3"))) == set(fp) | {"weights_sha256", "weights_bf16_sha256"}
 
 
 def test_config_fingerprint_checked_without_the_model(tmp_path):
@@ -56,6 +58,24 @@ def test_weights_checked_when_the_model_is_given(tmp_path):
         KVpopCache(other.config, policy="kvpop-mlp", path=path, model=other, **KW)
     with pytest.raises(ScorerMismatchError, match="different model"):
         load_scorer(path, model=other)
+
+
+def test_weights_hash_does_not_depend_on_the_dtype(tmp_path):
+    """A scorer trained on a float32 model fits the same model loaded in bfloat16 (as on a GPU):
+    the bfloat16 weight hash stands for the weights; another model's weights still fail."""
+    model, other = tiny_model("llama"), tiny_model("llama", seed=1)
+    path = _scorer_for(model, tmp_path / "s.safetensors")
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    assert model_fingerprint(half)["weights_sha256"] != model_fingerprint(model)["weights_sha256"]
+    KVpopCache(half.config, policy="kvpop-mlp", path=path, model=half, **KW)
+    with pytest.raises(ScorerMismatchError, match="weights_bf16_sha256"):
+        KVpopCache(other.config, policy="kvpop-mlp", path=path, model=other.to(torch.bfloat16), **KW)
+    # a checkpoint from before the bfloat16 hash: only the float32 hash, so only a float32 model fits
+    old = {k: v for k, v in model_fingerprint(model).items() if k != "weights_bf16_sha256"}
+    old_path = _scorer_for(model, tmp_path / "old.safetensors", fingerprint=old)
+    KVpopCache(model.config, policy="kvpop-mlp", path=old_path, model=model, **KW)
+    with pytest.raises(ScorerMismatchError, match="weights_sha256"):
+        KVpopCache(half.config, policy="kvpop-mlp", path=old_path, model=half, **KW)
 
 
 def test_old_checkpoint_fingerprint_missing_fields_are_not_a_mismatch(tmp_path):

@@ -53,6 +53,22 @@ def test_shipped_scorers_fit_the_embedded_model_and_are_the_default(real):
     assert res.kv_bytes == kvpop.kv_bytes_per_token(model.config) * 24
 
 
+def test_shipped_scorers_and_adapter_fit_the_embedded_model_in_bfloat16(real):
+    """Loaded in bfloat16 (the usual GPU dtype) it is the same model: the shipped scorers' and the
+    shipped adapter bundle's weight checks pass (the bfloat16 weight hash)."""
+    from kvpop.checkpoint import model_fingerprint
+
+    model, _ = real
+    half = kvpop.load_model(dtype=torch.bfloat16, progress=False)[0]
+    fp, fp_half = model_fingerprint(model), model_fingerprint(half)
+    assert fp["weights_sha256"] != fp_half["weights_sha256"]
+    assert fp["weights_bf16_sha256"] == fp_half["weights_bf16_sha256"]
+    for name in ("kvpop", "kvpop-mlp"):
+        kvpop.make_cache(half, name, budget=64)
+    adapted, _ = kvpop.load_model(adapter="default", dtype=torch.bfloat16, progress=False)
+    assert adapted.kvpop_adapter.scorer is not None and next(adapted.parameters()).dtype == torch.bfloat16
+
+
 def test_shipped_scorers_default_to_their_trained_window(real):
     """Trained at B = 512 and 1024 with window B/2: a cache at those budgets uses that window by default."""
     model, _ = real

@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .checkpoint import load_scorer, model_fingerprint, save_scorer
+from .checkpoint import fingerprint_diff, load_scorer, model_fingerprint, save_scorer
 
 __all__ = [
     "ADAPTER_META_FILE",
@@ -234,8 +234,7 @@ def load_adapter_bundle(
     header = read_bundle_meta(path)
     if _is_peft(model):
         raise TypeError("load_adapter_bundle needs the plain base model; this one already carries a peft adapter")
-    want, got = header.get("fingerprint", {}), base_fingerprint(model)
-    diff = {k: (want.get(k), got.get(k)) for k in want if want.get(k) != got.get(k)}
+    diff = fingerprint_diff(header.get("fingerprint", {}), base_fingerprint(model))
     if diff:
         details = ", ".join(f"{k}: trained {a!r} vs this model {b!r}" for k, (a, b) in diff.items())
         raise AdapterMismatchError(f"adapter bundle {path} was trained on a different base model ({details})")

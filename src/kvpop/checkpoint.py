@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -36,6 +37,7 @@ class ScorerMismatchError(ValueError):
 
 
 WEIGHTS_KEY = "weights_sha256"
+WEIGHTS_BF16_KEY = "weights_bf16_sha256"
 
 
 def _text_config(config):
@@ -68,19 +70,36 @@ def config_fingerprint(config) -> dict[str, Any]:
 
 
 def model_fingerprint(model) -> dict[str, Any]:
-    """:func:`config_fingerprint` plus a hash of a few weights of the base model.
+    """:func:`config_fingerprint` plus hashes of a few weights of the base model.
 
+    Two hashes: of the values as float32 rounded to 5 decimals (:data:`WEIGHTS_KEY`, what older
+    checkpoints record) and of their bfloat16 bit patterns (:data:`WEIGHTS_BF16_KEY`), which a
+    float32 model and its bfloat16 copy share, so a scorer trained on one fits the other.
     Names are read through a ``peft`` wrapper (``base_model.model.`` prefix, ``.base_layer``), so a
     model with unmerged LoRA adapters has its base model's fingerprint: the adapters do not change
     the base weights a scorer was trained on.
     """
-    h = hashlib.sha256()
+    h, h16 = hashlib.sha256(), hashlib.sha256()
     for name, p in model.named_parameters():
         name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
         if name.endswith(("layers.0.self_attn.k_proj.weight", "embed_tokens.weight")):
+            x = p.detach().flatten()[:4096]
             h.update(name.encode())
-            h.update(p.detach().float().flatten()[:4096].cpu().numpy().round(5).tobytes())
-    return {**config_fingerprint(model.config), WEIGHTS_KEY: h.hexdigest()[:16]}
+            h.update(x.float().cpu().numpy().round(5).tobytes())
+            h16.update(name.encode())
+            h16.update(x.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
+    return {**config_fingerprint(model.config), WEIGHTS_KEY: h.hexdigest()[:16], WEIGHTS_BF16_KEY: h16.hexdigest()[:16]}
+
+
+def fingerprint_diff(want: dict[str, Any], got: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The fields where a checkpoint's fingerprint (``want``) and this model's (``got``) disagree. A
+    field the checkpoint does not record is not a mismatch; equal bfloat16 weight hashes mean the
+    same weights, so the float32 hash (which changes with the dtype the model is loaded in) is not
+    compared then."""
+    same_bf16 = WEIGHTS_BF16_KEY in want and want.get(WEIGHTS_BF16_KEY) == got.get(WEIGHTS_BF16_KEY)
+    skip = {WEIGHTS_KEY} if same_bf16 else set()
+    return {k: (want[k], got[k]) for k in want
+            if k in got and k not in skip and _jsonable(want[k]) != _jsonable(got[k])}  # fmt: skip
 
 
 def check_fingerprint(want: dict[str, Any] | None, source, *, config=None, model=None) -> None:
@@ -98,7 +117,7 @@ def check_fingerprint(want: dict[str, Any] | None, source, *, config=None, model
         got = config_fingerprint(config)
     else:
         return
-    diff = {k: (want[k], got[k]) for k in want if k in got and _jsonable(want[k]) != _jsonable(got[k])}
+    diff = fingerprint_diff(want, got)
     if diff:
         details = ", ".join(f"{k}: trained {a!r} vs this model {b!r}" for k, (a, b) in diff.items())
         raise ScorerMismatchError(f"scorer {source} was trained for a different model ({details})")
