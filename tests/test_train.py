@@ -99,6 +99,13 @@ def test_capture_store_is_reused_and_guarded(tmp_path, docs):
         train(_cfg(tmp_path / "d", docs, scorer="mlp", val_docs=0, steps=2, window=5, store=str(store)), model, tok)
     with pytest.raises(ValueError, match="other settings"):
         train(_cfg(tmp_path / "e", docs, scorer="mlp", val_docs=0, steps=2, sinks=3, store=str(store)), model, tok)
+    # a store from before the bfloat16 weight hash still serves the model; another model's weights do not
+    meta = json.loads((store / "store.json").read_text())
+    del meta["fingerprint"]["weights_bf16_sha256"]
+    (store / "store.json").write_text(json.dumps(meta))
+    train(_cfg(tmp_path / "g", docs, scorer="mlp", val_docs=0, steps=2, store=str(store)), model, tok)
+    with pytest.raises(ValueError, match="other settings.*fingerprint"):
+        train(_cfg(tmp_path / "h", docs, scorer="mlp", val_docs=0, steps=2, store=str(store)), tiny_model("llama", seed=1), tok)
 
 
 def test_boundary_margin_compares_priorities_and_learns():

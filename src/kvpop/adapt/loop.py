@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..adapters import add_lora, lora_config, save_adapter_bundle, teacher_mode
-from ..checkpoint import atomic_write, load_scorer, model_fingerprint
+from ..checkpoint import atomic_write, fingerprint_diff, load_scorer, model_fingerprint
 from ..mask import learned_priority_fn, masked_eviction
 from ..train.data import Example, SequenceSource, capture_example
 from ..train.labels import labels_for, layer_loss
@@ -353,7 +353,7 @@ def adapt(cfg: AdaptConfig, model=None, tokenizer=None) -> dict:
     device = torch.device(cfg.device)
     model = model.to(device).eval()
     fingerprint = model_fingerprint(model)
-    if blob is not None and blob.get("fingerprint") != fingerprint:
+    if blob is not None and fingerprint_diff(blob.get("fingerprint") or {}, fingerprint):
         raise ValueError(f"{out} holds a run on a different base model; use another --out")
 
     scorer = None

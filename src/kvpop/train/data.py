@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..capture import collect
-from ..checkpoint import atomic_write, model_fingerprint
+from ..checkpoint import atomic_write, fingerprint_diff, model_fingerprint
 from .config import TrainConfig
 
 STORE_FORMAT = "kvpop-capture-store-v1"
@@ -141,8 +141,14 @@ class CaptureStore:
         if path.exists():
             have = json.loads(path.read_text())
             keys = ["format", "fingerprint", "data", "sinks"] + (["obs_windows"] if cfg.observed else [])
+
+            def same(key: str) -> bool:  # a fingerprint field the store predates is not a mismatch
+                if key == "fingerprint":
+                    return not fingerprint_diff(have.get(key) or {}, self.meta[key])
+                return have.get(key) == self.meta[key]
+
             for key in keys:  # a run without observed-attention inputs can read any store
-                if have.get(key) != self.meta[key]:
+                if not same(key):
                     raise ValueError(
                         f"capture store {self.folder} was made with other settings ({key}: {have.get(key)!r} vs "
                         f"{self.meta[key]!r}); use another --store folder"
