@@ -318,6 +318,18 @@ def test_cli_validates_first(tmp_path, capsys, scorer_path):
         main(["--out", str(tmp_path), "--mask", "nope"])
 
 
+def test_cli_joint_is_opt_in(tmp_path):
+    """The scorer stays fixed unless --joint asks to train it too (the one joint run lowered retention)."""
+    from kvpop.adapt.cli import build_parser, config_from_args
+
+    def joint(*flags):
+        return config_from_args(build_parser().parse_args(["--out", str(tmp_path), *flags])).joint
+
+    assert joint() is False and joint("--no-joint") is False and joint("--joint") is True
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--out", str(tmp_path), "--joint", "--no-joint"])
+
+
 def test_compare_adapted(tmp_path, docs, scorer_path):
     tok = tiny_tokenizer()
     adapt(_cfg(tmp_path / "kv", docs, scorer_path, steps=2), tiny_model("llama"), tok)

@@ -209,7 +209,7 @@ def scorer_step(scorer, ex: Example, ev, cfg: AdaptConfig) -> float:
     loss = torch.stack(losses).mean()
     loss.backward()
     scorer.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 # --------------------------------------------------------------------------------------------
