@@ -36,6 +36,7 @@ class KVpopMask:
     padding: torch.Tensor | None  # [batch, tokens seen + new] bool, True = real token
     _base_kwargs: dict = field(repr=False, default_factory=dict)
     _base_fn: object = field(repr=False, default=None)
+    _new_tokens: dict = field(repr=False, default_factory=dict)  # q_len -> new_tokens(q_len), once per forward
 
     def base_mask(self):
         if self._base_fn is None:
@@ -48,11 +49,10 @@ class KVpopMask:
         one per layer."""
         if self.padding is None:
             return None
-        memo = self.__dict__.setdefault("_new_tokens", {})
-        if q_len not in memo:
+        if q_len not in self._new_tokens:
             valid = self.padding[:, -q_len:].bool()
-            memo[q_len] = None if bool(valid.all()) else valid
-        return memo[q_len]
+            self._new_tokens[q_len] = None if bool(valid.all()) else valid
+        return self._new_tokens[q_len]
 
 
 class KVpopOffset(int):

@@ -58,14 +58,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device: torch.device, reps: int, budget_s: float) -> tuple[float, list[float]]:
-    """(first call's seconds, timed calls' seconds): ``reps`` calls after the first, fewer once
-    ``budget_s`` is spent."""
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    first = time.perf_counter() - t0
+def _timed(fn, device: torch.device, reps: int, budget_s: float) -> list[float]:
+    """Seconds of ``reps`` calls (fewer once ``budget_s`` is spent), each ended by a device sync;
+    the caller has made the first (compiling) call already."""
     times: list[float] = []
     start = time.perf_counter()
     for _ in range(reps):
@@ -75,7 +70,7 @@ def _timed(fn, device: torch.device, reps: int, budget_s: float) -> tuple[float,
         times.append(time.perf_counter() - t0)
         if time.perf_counter() - start > budget_s:
             break
-    return first, times
+    return times
 
 
 def _agreement(x: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -153,7 +148,7 @@ def targets_part(sizes, device: torch.device, *, window: int = 256, q_heads: int
                     if not name.startswith("sdpa"):
                         row.update(_agreement(out, ref))
                     del out
-                    _, times = _timed(fn, dev, 1 if dev.type == "cpu" and S > 8192 else reps, budget_s)
+                    times = _timed(fn, dev, 1 if dev.type == "cpu" and S > 8192 else reps, budget_s)
                     row.update(first_call_s=first, time_s=statistics.median(times), times_s=times,
                                threads=torch.get_num_threads() if dev.type == "cpu" else None)
                 except Exception as exc:  # noqa: BLE001 (one failing method must not lose the others)
