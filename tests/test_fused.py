@@ -31,7 +31,7 @@ def _ids(n, batch=1):
     return torch.stack([torch.randperm(128, generator=g)[:n] for _ in range(batch)])
 
 
-@pytest.mark.parametrize("policy", ["h2o", "knorm", "kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+"])
+@pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "knorm", "random", "kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_steady_path_equals_general_decode(policy, batch):
     """Same logits, same held tokens, same priorities and scorer state with and without the fused steady path."""
@@ -76,7 +76,7 @@ def test_compiled_step_equals_eager():
     """compile=True (torch.compile of kvpop.fused) gives the eager decisions and outputs."""
     model = tiny_model("llama", num_hidden_layers=2)
     ids = _ids(70)
-    for policy in ("kvpop+", "h2o"):
+    for policy in ("kvpop+", "kvpop-mlp+", "h2o", "knorm", "random"):
         kw = {"budget": 20, "window": 6, "sinks": 2}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
@@ -88,6 +88,72 @@ def test_compiled_step_equals_eager():
         torch.testing.assert_close(la, _run(model, b, ids, 30), rtol=1e-4, atol=1e-4)
         for x, y in zip(a.layers, b.layers):
             assert torch.equal(x.slot_index, y.slot_index)
+
+
+def test_a_policy_that_overrides_score_is_not_fused():
+    """A subclass of a built-in heuristic with its own score must not be scored by the parent's
+    fused function."""
+    from kvpop.policies.knorm import KnormPolicy
+
+    class Mine(KnormPolicy):
+        name = "mine"
+
+        def score(self, state, batch):
+            return state, batch.keys.float().norm(dim=-1)
+
+    assert KnormPolicy().steady_score(0, torch.device("cpu")) is not None
+    assert Mine().steady_score(0, torch.device("cpu")) is None
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = _ids(60)
+    kw = {"budget": 20, "window": 6, "sinks": 2}
+    a, b = KVpopCache(model.config, policy=Mine(), **kw), KVpopCache(model.config, policy=Mine(), **kw)
+    torch.testing.assert_close(_run(model, a, ids, 30), _run(model, b, ids, 30, steady=False))
+    for x, y in zip(a.layers, b.layers):
+        assert torch.equal(x.slot_index, y.slot_index)
+
+
+def _toy(spec, w: tuple, state, x, buf):
+    """A pure step with every argument kind Direct handles: a constant, a tuple with a None, a
+    NamedTuple, an in-place write to an input, and a None result."""
+    scale, slot = spec
+    buf[:, slot] = x.sum(-1)  # in place, as the cache's buffers are written
+    return x * scale + w[0], None, type(state)(state.C + 1, state.n, state.m)
+
+
+@pytest.mark.slow
+def test_direct_compiled_call_follows_its_inputs():
+    """kvpop.fused.Direct (inductor's code called without dynamo): one graph per layout and
+    constant, the eager results, in-place writes kept, autograd left to the eager function."""
+    from kvpop.fused import Direct
+    from kvpop.scorers.mlstm import MLSTMState
+
+    try:
+        direct = Direct(_toy, {"cpp_wrapper": True, "cpp.threads": 1})
+        state = MLSTMState(torch.zeros(2, 3), torch.ones(2), torch.zeros(2))
+        args = ((2.0, 1), (torch.ones(4), None), state, torch.randn(2, 4), torch.zeros(2, 3))
+        got = direct(*args)
+    except Exception as exc:  # noqa: BLE001 (no working compiler here)
+        pytest.skip(f"no working inductor backend: {exc}")
+    buf_eager = torch.zeros(2, 3)
+    want = _toy(*args[:4], buf_eager)
+    torch.testing.assert_close(got[0], want[0])
+    assert got[1] is None and isinstance(got[2], MLSTMState)
+    torch.testing.assert_close(got[2].C, want[2].C)
+    torch.testing.assert_close(args[4], buf_eager)  # the write reached the caller's tensor
+    assert len(direct.graphs) == 1
+    direct(*args)  # same layout and constants: no new graph
+    assert len(direct.graphs) == 1
+    direct((3.0, 1), *args[1:])  # another constant: its own graph, its own result
+    torch.testing.assert_close(direct((3.0, 2), *args[1:])[0], args[3] * 3.0 + 1)
+    assert len(direct.graphs) == 3
+    x = torch.randn(4, 2).t()  # same shape, other strides: a new graph, still right
+    torch.testing.assert_close(direct((2.0, 0), args[1], state, x, torch.zeros(2, 3))[0], x * 2.0 + 1)
+    assert len(direct.graphs) == 4
+    xg = torch.randn(2, 4, requires_grad=True)
+    out = direct((2.0, 0), args[1], state, xg, torch.zeros(2, 3))[0]
+    out.sum().backward()  # ran eagerly: autograd works
+    torch.testing.assert_close(xg.grad, torch.full_like(xg, 2.0))
+    assert len(direct.graphs) == 4
 
 
 def test_compile_argument_is_checked():

@@ -166,11 +166,11 @@ class KVpopLayer(CacheLayerMixin):
         # valid=None (no padding) takes no device sync; the attention routing passes None for an all-real mask
         if c == 1 and self.fast_decode and (valid is None or bool(valid.all())):
             if self.steady and self.min_real >= self.cfg.budget and self.cfg.k > 0:  # every slot held, every row exits
-                out = self._attend_steady(query, key_new, value_new, scaling)
+                out = self._attend_steady(query, key_new, value_new, scaling)  # already [b, 1, hq, d]
             else:
-                out = self._attend_decode(query, key_new, value_new, scaling)
+                out = self._attend_decode(query, key_new, value_new, scaling).transpose(1, 2)
             self.seen += 1
-            return out.transpose(1, 2)
+            return out
         if valid is None:
             valid = torch.ones(b, c, dtype=torch.bool, device=query.device)
         outs = []
@@ -184,8 +184,9 @@ class KVpopLayer(CacheLayerMixin):
     def _attend_steady(self, q, k_new, v_new, scaling):
         """The decode steady state through ``kvpop.fused`` (compiled with ``compile=True``).
 
-        Same decisions and outputs as :meth:`_attend_decode` (tests hold them together); a learned
-        policy is scored inside the fused function, any other policy through its ``score``.
+        Same decisions and outputs as :meth:`_attend_decode` (tests hold them together). A learned
+        policy (its ``decode_kernel``) or a policy with a pure ``steady_score`` is scored inside
+        the fused function; any other through its ``score``.
         """
         timer = self.timer
         t0 = time.perf_counter() if timer is not None else 0.0
@@ -194,8 +195,13 @@ class KVpopLayer(CacheLayerMixin):
         obs = self.observed if pol.needs_attention else None
         kernel = pol.decode_kernel(self.layer_idx, self.cfg.window)
         args = (q, k_new, v_new, self._k, self._v, self._slot_index, self._lr_prio, obs, t)
+        steady = None if kernel is not None else pol.steady_score(self.layer_idx, q.device)
         if kernel is not None:
-            out, obs, self.policy_state = self._fused("steady_learned", spec, *kernel, self.policy_state, *args)
+            out, obs, self.policy_state, t_next = self._fused("steady_learned", spec, *kernel, self.policy_state, *args)
+            if timer is not None:
+                _tick(timer, "fused", t0)
+        elif steady is not None:  # a pure score function: scored inside the fused step
+            out, obs, t_next = self._fused("steady_scored", spec, *steady, *args)
             if timer is not None:
                 _tick(timer, "fused", t0)
         else:
@@ -210,12 +216,12 @@ class KVpopLayer(CacheLayerMixin):
                 raise RuntimeError(f"policy {pol.name} returned NaN scores at layer {self.layer_idx}")
             if timer is not None:
                 t0 = _tick(timer, "score", t0)
-            out, obs = self._fused("steady_tail", spec, *args, ex_k, ex_v, prio)
+            out, obs, t_next = self._fused("steady_tail", spec, *args, ex_k, ex_v, prio)
             if timer is not None:
                 _tick(timer, "fused", t0)
         if obs is not None:
             self.observed = obs
-        self.n_real = t + 1
+        self.n_real = t_next
         self.min_real += 1
         return out
 

@@ -24,7 +24,7 @@ from torch import Tensor
 from . import rule
 from .scorers.decode import DecodeSpec, decode_scores
 
-__all__ = ["COMPILE_ERROR", "StepSpec", "compiled", "exit_gather", "steady_learned", "steady_tail"]
+__all__ = ["COMPILE_ERROR", "Direct", "StepSpec", "compiled", "exit_gather", "steady_learned", "steady_scored", "steady_tail"]
 
 COMPILE_ERROR: str | None = None  # set by the first failed compile: the process then runs these eagerly
 
@@ -59,8 +59,9 @@ def steady_tail(spec: StepSpec, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tens
 
     ``K``/``V`` ``[b, h, B + 1, d]``, ``SI [b, h, B + 1]`` and ``LP [b, h, k + 1]`` are the layer's
     buffers (with their trash slot), written IN PLACE; ``t [b]`` the new token's index; ``prio
-    [b, h]`` the exiting token's score. Returns ``(out [b, hq, 1, d], OBS)`` with the statistics
-    updated (a new tensor; None when ``OBS`` is None).
+    [b, h]`` the exiting token's score. Returns ``(out [b, 1, hq, d], OBS, t + 1)``: the output in
+    the layout the model takes, the statistics updated (a new tensor; None when ``OBS`` is None)
+    and the next token's index (computed here: one eager op less per layer and step).
     """
     s, w, kk = spec.sinks, spec.window, spec.k
     n = s + w + kk
@@ -90,7 +91,7 @@ def steady_tail(spec: StepSpec, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tens
     qg = q.view(b, h, g, d)
     if OBS is None:
         out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, scale=spec.scaling)
-        return out.reshape(b, hq, 1, -1), None
+        return out.reshape(b, hq, 1, -1).transpose(1, 2), None, t + 1
     logits = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) * spec.scaling  # [b, h, g, B]
     # sinks and ring hold exactly the tokens still protected: their attention is what is observed
     p_ring = torch.softmax(logits[..., : s + w], -1)[..., s:].mean(2)  # [b, h, w]
@@ -100,32 +101,133 @@ def steady_tail(spec: StepSpec, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tens
     # the new token's ring slot restarts its statistics; the others accumulate
     OBS = OBS.scatter(2, ring_off.view(b, 1, 1, 1).expand(b, h, 1, OBS.shape[-1]), 0.0) + contrib
     out = torch.matmul(torch.softmax(logits, -1).to(values.dtype), values)
-    return out.reshape(b, hq, 1, -1), OBS
+    return out.reshape(b, hq, 1, -1).transpose(1, 2), OBS, t + 1
 
 
 def steady_learned(spec: StepSpec, sspec: DecodeSpec, params: tuple, state, q: Tensor, k_new: Tensor,
                    v_new: Tensor, K: Tensor, V: Tensor, SI: Tensor, LP: Tensor, OBS: Tensor | None, t: Tensor):
     """The whole steady step of a learned policy: read, score (``kvpop.scorers.decode``), rule,
-    writes, attention. Returns ``(out, OBS, state)``."""
+    writes, attention. Returns ``(out, OBS, state, t + 1)``."""
     ex_k, ex_v, obs = exit_gather(spec, K, V, OBS, t)
     state, prio = decode_scores(sspec, params, state, k_new, v_new, ex_k, ex_v, t, t - spec.window, obs)
-    out, OBS = steady_tail(spec, q, k_new, v_new, K, V, SI, LP, OBS, t, ex_k, ex_v, prio)
-    return out, OBS, state
+    out, OBS, t_next = steady_tail(spec, q, k_new, v_new, K, V, SI, LP, OBS, t, ex_k, ex_v, prio)
+    return out, OBS, state, t_next
+
+
+def steady_scored(spec: StepSpec, score, consts: tuple, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tensor,
+                  V: Tensor, SI: Tensor, LP: Tensor, OBS: Tensor | None, t: Tensor):
+    """The whole steady step of a policy with a pure score function (``Policy.steady_score``):
+    read, ``score(consts, ex_k, ex_v, ex_obs, exit_index)``, rule, writes, attention. Returns
+    ``(out, OBS, t + 1)``."""
+    ex_k, ex_v, obs = exit_gather(spec, K, V, OBS, t)
+    prio = score(consts, ex_k, ex_v, obs, t - spec.window).reshape(K.shape[0], K.shape[1])
+    return steady_tail(spec, q, k_new, v_new, K, V, SI, LP, OBS, t, ex_k, ex_v, prio)
 
 
 @functools.cache
 def compiled(fn_name: str, device_type: str = "cpu"):
-    """``torch.compile`` of one of the steady-step functions for one device type (built on first
-    use, shared by all caches).
+    """One of the steady-step functions compiled for one device type (built on first use, shared
+    by all caches).
 
-    ``dynamic=False``: decode shapes are static, so each (budget, batch) compiles once. Raises
-    whatever ``torch.compile`` raises when no compiler backend works here (the cache then falls
-    back to the eager functions).
+    On the CPU: inductor's code called directly (:class:`Direct`), one graph per input layout. On
+    other devices: ``torch.compile`` with inductor's defaults (Triton kernels on CUDA),
+    ``dynamic=False`` (decode shapes are static, so each budget and batch compiles once). Raises
+    whatever the compiler raises when no backend works here (the cache then falls back to the
+    eager functions).
     """
-    fn = {"steady_tail": steady_tail, "steady_learned": steady_learned}[fn_name]
-    if device_type != "cpu":  # inductor's defaults (Triton kernels on CUDA)
+    fn = {"steady_tail": steady_tail, "steady_learned": steady_learned, "steady_scored": steady_scored}[fn_name]
+    if device_type != "cpu":
         return torch.compile(fn, dynamic=False, fullgraph=True)
     # a C++ wrapper (less Python per call) and single-threaded kernels: the tensors of one decode
     # step are too small for a parallel region to pay for itself (measured: ~25 us less per layer
     # at 2 threads); the matmuls still use torch's threads
-    return torch.compile(fn, dynamic=False, fullgraph=True, options={"cpp_wrapper": True, "cpp.threads": 1})
+    return Direct(fn, {"cpp_wrapper": True, "cpp.threads": 1})
+
+
+_TENSOR = object()  # marks where a tensor goes in an argument or result template
+
+
+def _template(items) -> tuple[tuple, list[Tensor]]:
+    """``(template, tensors)``: ``items`` (tensors, None, constants, and tuples / NamedTuples of
+    those, one level deep) with every tensor replaced by ``_TENSOR``, and the tensors in order."""
+    template, tensors = [], []
+    for a in items:
+        if isinstance(a, Tensor):
+            template.append(_TENSOR)
+            tensors.append(a)
+        elif isinstance(a, tuple):
+            sub = []
+            for x in a:
+                if isinstance(x, Tensor):
+                    sub.append(_TENSOR)
+                    tensors.append(x)
+                else:
+                    sub.append(x)
+            template.append((type(a), tuple(sub)))
+        else:
+            template.append(a)
+    return tuple(template), tensors
+
+
+def _fill(template: tuple, tensors) -> list:
+    """The inverse of :func:`_template`."""
+    it = iter(tensors)
+    out = []
+    for a in template:
+        if a is _TENSOR:
+            out.append(next(it))
+        elif isinstance(a, tuple):  # (tuple type, its template)
+            vals = [next(it) if x is _TENSOR else x for x in a[1]]
+            out.append(a[0](*vals) if hasattr(a[0], "_fields") else a[0](vals))
+        else:
+            out.append(a)
+    return out
+
+
+class Direct:
+    """``fn`` compiled by inductor for each layout of its inputs and called without dynamo.
+
+    Why: the fused step runs once per layer and token, and in the model (caches cold after the
+    LLM's weights went through) dynamo's per-call frame, its guards and wrapper layers, cost more
+    than the work it wraps: a bare write-and-attend step took 1.04x the floor's decode step
+    through ``torch.compile`` and 1.00x called this way (``kvpop bench overhead`` conditions).
+
+    What dynamo's guards checked, the key here checks: every non-tensor argument (specs, score
+    functions, None) by value, and each tensor's dtype, shape and strides, plus the device of the
+    first. A new key traces ``fn`` with fake tensors (``make_fx``) and compiles the graph
+    (``compile_fx``, what ``torch.compile`` uses); in-place writes to inputs stay in place.
+    ``fn`` must be a pure tensor function of its arguments (tensors, None, hashable constants,
+    and tuples of those) returning the same kinds; with autograd recording and an input that
+    requires grad it runs eagerly.
+    """
+
+    def __init__(self, fn, options: dict) -> None:
+        from torch._inductor.compile_fx import compile_fx  # imported here: a missing compiler fails at first use
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        self.fn, self.options, self.graphs = fn, dict(options), {}
+        self._compile_fx, self._make_fx = compile_fx, make_fx
+
+    def __call__(self, *args):
+        template, tensors = _template(args)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return self.fn(*args)
+        key = (tensors[0].device, template, tuple((t.dtype, t.shape, t.stride()) for t in tensors))
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = self._build(template, tensors)
+        run, out_template = graph
+        return tuple(_fill(out_template, run(*tensors)))
+
+    def _build(self, template: tuple, tensors: list[Tensor]):
+        out = {}
+
+        def flat(*ts):
+            result = self.fn(*_fill(template, ts))
+            out["template"], leaves = _template(result)
+            return leaves
+
+        with torch.no_grad():
+            gm = self._make_fx(flat, tracing_mode="fake")(*tensors)
+            run = self._compile_fx(gm, list(tensors), config_patches=self.options)
+        return run, out["template"]

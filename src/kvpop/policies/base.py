@@ -115,5 +115,18 @@ class Policy:
         state inside the cache's fused (optionally compiled) step; None: the cache calls :meth:`score`."""
         return None
 
+    def steady_score(self, layer_idx: int, device: torch.device) -> tuple[Callable, tuple] | None:
+        """Optional: ``(fn, consts)`` with ``fn(consts, keys, values, attention, index)`` a pure tensor
+        function equal to :meth:`score` for one exiting token per row (``keys``/``values`` ``[b, h,
+        1, d]``, ``attention`` ``[b, h, 1, n]`` or None, ``index [b]``; returns ``[b, h, 1]``), so the
+        cache fuses (and with ``compile=True`` compiles) it into its steady decode step. None: the
+        cache calls :meth:`score`. A subclass that overrides ``score`` gets None unless it overrides
+        this too (see :meth:`_own_steady`)."""
+        return None
+
+    def _own_steady(self, owner: type, fn: Callable, consts: tuple = ()) -> tuple[Callable, tuple] | None:
+        """``(fn, consts)`` if ``score`` is still ``owner.score`` (not overridden below it), else None."""
+        return (fn, consts) if type(self).score is owner.score else None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

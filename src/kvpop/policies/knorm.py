@@ -15,4 +15,11 @@ class KnormPolicy(Policy):
     name = "knorm"
 
     def score(self, state, batch: ExitBatch) -> tuple[None, torch.Tensor]:
-        return state, -batch.keys.float().norm(dim=-1)
+        return state, _negative_norm((), batch.keys, None, None, None)
+
+    def steady_score(self, layer_idx: int, device: torch.device):
+        return self._own_steady(KnormPolicy, _negative_norm)
+
+
+def _negative_norm(consts, keys, values, attention, index) -> torch.Tensor:
+    return -keys.float().norm(dim=-1)

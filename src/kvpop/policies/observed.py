@@ -21,4 +21,11 @@ class ObservedAttentionPolicy(Policy):
     def score(self, state, batch: ExitBatch) -> tuple[None, torch.Tensor]:
         if batch.attention is None:
             raise RuntimeError(f"{self.name} needs attention statistics but the cache gave none")
-        return state, batch.attention[..., 0].float()
+        return state, _observed((), None, None, batch.attention, None)
+
+    def steady_score(self, layer_idx: int, device: torch.device):
+        return self._own_steady(ObservedAttentionPolicy, _observed)
+
+
+def _observed(consts, keys, values, attention, index) -> torch.Tensor:
+    return attention[..., 0].float()
