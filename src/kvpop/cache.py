@@ -84,7 +84,8 @@ class KVpopLayer(CacheLayerMixin):
         """Defer insertion to the attention call, which knows the queries and the padding mask."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.model_config is not None and self.model_config._attn_implementation != ATTN_NAME:
+        # checked at the first layer only: every forward starts there (a config read is slow next to a decode step)
+        if self.layer_idx == 0 and self.model_config is not None and self.model_config._attn_implementation != ATTN_NAME:
             raise RuntimeError(
                 f"the model's attention implementation is {self.model_config._attn_implementation!r}, not "
                 f"{ATTN_NAME!r} (kvpop.detach was called after this cache was created); the KVpop cache would be "
