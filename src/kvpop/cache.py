@@ -56,7 +56,7 @@ class KVpopLayer(CacheLayerMixin):
         self.seen = 0  # tokens fed to this layer, padding included (drives position ids)
         self.fast_decode = True  # single-token steps update the buffers in place (False: always the chunk path)
         self.timer: dict[str, float] | None = None  # set to {} to accumulate decode seconds per phase (benchmarks)
-        self.compile = False  # torch.compile the steady decode step (KVpopCache(compile=True))
+        self.compile = False  # compile the steady decode step (KVpopCache(compile=True), kvpop.fused.compiled)
         self.steady = True  # the fused steady decode step (False: always the general path, for tests)
 
     # --- transformers' CacheLayerMixin -------------------------------------------------
@@ -243,7 +243,7 @@ class KVpopLayer(CacheLayerMixin):
                 return fused.compiled(name, self.device.type)(*args)
             except Exception as exc:  # noqa: BLE001 (no C++ compiler, an unsupported platform, ...: any failure)
                 fused.COMPILE_ERROR = f"{type(exc).__name__}: {exc}"  # no other layer or cache tries again
-                warnings.warn(f"torch.compile of the decode step failed ({fused.COMPILE_ERROR}); running it eagerly",
+                warnings.warn(f"compiling the decode step failed ({fused.COMPILE_ERROR}); running it eagerly",
                               RuntimeWarning, stacklevel=3)
         return fn(*args)
 
@@ -521,10 +521,11 @@ class KVpopCache(Cache):
     model it raises ``ScorerMismatchError`` (train one with ``kvpop train`` and pass ``path=``, or
     name a heuristic policy such as ``"h2o"``).
 
-    ``compile=True`` runs the decode steady state (every slot held, one token per step) through
-    ``torch.compile`` (``kvpop.fused``): the first step compiles for a few seconds, later steps
-    spend less time outside the model's own matmuls; without a working compiler it warns and runs
-    eagerly. The decisions are the same either way.
+    ``compile=True`` runs the decode steady state (every slot held, one token per step) as code
+    compiled by inductor (``kvpop.fused``; on the CPU called directly, on CUDA through
+    ``torch.compile``): the first step compiles for a few seconds, later steps spend less time
+    outside the model's own matmuls; without a working compiler it warns and runs eagerly. The
+    decisions are the same either way.
 
     Creating the cache switches ``model.config``'s attention implementation to ``"kvpop"``
     and leaves it so: for any other cache (or none) that routing is a no-op, bit for bit, also

@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with the default policy on the embedded model: use the base model and its scorer, not the "
                          "shipped adapted bundle")  # fmt: skip
     pg.add_argument("--compile", action="store_true",
-                    help="torch.compile the cache's steady decode step (a few seconds once, faster steps after)")
+                    help="compile the cache's steady decode step (a few seconds once, faster steps after)")
 
     pb = sub.add_parser("bench", help="benchmarks (write JSON); `kvpop bench NAME --help` for a benchmark's options")
     pb.add_argument("what", choices=BENCHMARKS)
