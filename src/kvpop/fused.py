@@ -149,7 +149,9 @@ _TENSOR = object()  # marks where a tensor goes in an argument or result templat
 
 def _template(items) -> tuple[tuple, list[Tensor]]:
     """``(template, tensors)``: ``items`` (tensors, None, constants, and tuples / NamedTuples of
-    those, one level deep) with every tensor replaced by ``_TENSOR``, and the tensors in order."""
+    those, one level deep) with every tensor replaced by ``_TENSOR``, and the tensors in order.
+    (Not ``torch.utils._pytree``: its flatten alone takes ~10 us a call, a third of what the direct
+    call saves.)"""
     template, tensors = [], []
     for a in items:
         if isinstance(a, Tensor):
