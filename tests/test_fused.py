@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvpop import KVpopCache
+from kvpop.scorers.mlstm import MLSTMState
 from kvpop.testing import random_learned_policy, tiny_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -88,6 +89,40 @@ def test_compiled_step_equals_eager():
         torch.testing.assert_close(la, _run(model, b, ids, 30), rtol=1e-4, atol=1e-4)
         for x, y in zip(a.layers, b.layers):
             assert torch.equal(x.slot_index, y.slot_index)
+            assert x._bound is not None  # the steps after the first ran through the bound step
+
+
+@pytest.mark.slow
+def test_compiled_step_follows_reorder_and_reset():
+    """The bound compiled step is dropped when the layer's buffers or state are replaced (a beam
+    reorder, a reset): the results stay those of the eager path."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = _ids(64, batch=2)
+    kw = {"budget": 20, "window": 6, "sinks": 2}
+    policy = _policy("kvpop+", model)
+    caches = [KVpopCache(model.config, policy=policy, compile=c, **kw) for c in (True, False)]
+
+    @torch.no_grad()
+    def steps(cache, lo, hi):
+        return torch.cat([model(ids[:, i : i + 1], past_key_values=cache).logits for i in range(lo, hi)], 1)
+
+    with torch.no_grad():
+        for cache in caches:
+            model(ids[:, :30], past_key_values=cache)
+    outs = []
+    for cache in caches:
+        la = steps(cache, 30, 40)
+        cache.reorder_cache(torch.tensor([1, 0]))
+        lb = steps(cache, 40, 50)
+        cache.reset()
+        with torch.no_grad():
+            model(ids[:, :30], past_key_values=cache)
+        outs.append(torch.cat([la, lb, steps(cache, 30, 64)], 1))
+    if caches[0].layers[0]._bound is None:
+        pytest.skip("no working compiler here")
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    for x, y in zip(*(c.layers for c in caches)):
+        assert torch.equal(x.slot_index, y.slot_index)
 
 
 def test_a_policy_that_overrides_score_is_not_fused():
@@ -125,7 +160,6 @@ def test_direct_compiled_call_follows_its_inputs():
     """kvpop.fused.Direct (inductor's code called without dynamo): one graph per layout and
     constant, the eager results, in-place writes kept, autograd left to the eager function."""
     from kvpop.fused import Direct
-    from kvpop.scorers.mlstm import MLSTMState
 
     try:
         direct = Direct(_toy, {"cpp_wrapper": True, "cpp.threads": 1})
@@ -154,6 +188,45 @@ def test_direct_compiled_call_follows_its_inputs():
     out.sum().backward()  # ran eagerly: autograd works
     torch.testing.assert_close(xg.grad, torch.full_like(xg, 2.0))
     assert len(direct.graphs) == 4
+
+
+def _toy_tensors(spec, w: tuple, x, buf):
+    scale, slot = spec
+    buf[:, slot] = x.sum(-1)
+    return x * scale + w[0], x.sum()
+
+
+@pytest.mark.slow
+def test_direct_bind_replaces_only_the_dynamic_tensors():
+    """Direct.bind: the bound graph with new dynamic tensors gives the eager results and writes in
+    place; new tensors of another layout, dtype, or needing autograd do not fit; a dynamic tensor
+    that is not among the arguments, or a function returning non-tensors, is not bound."""
+    from kvpop.fused import Direct
+
+    try:
+        direct = Direct(_toy_tensors, {"cpp_wrapper": True, "cpp.threads": 1, "memory_planning": True})
+        w, buf, x = (torch.ones(4), None), torch.zeros(2, 3), torch.randn(2, 4)
+        bound = direct.bind(((2.0, 1), w, x, buf), (x,))
+    except Exception as exc:  # noqa: BLE001 (no working compiler here)
+        pytest.skip(f"no working inductor backend: {exc}")
+    assert bound is not None
+    for _ in range(3):  # a new x each call, as a decode step's query
+        x = torch.randn(2, 4)
+        assert bound.fits(x)
+        out, total = bound(x)
+        torch.testing.assert_close(out, x * 2.0 + 1)
+        torch.testing.assert_close(total, x.sum())
+        torch.testing.assert_close(buf[:, 1], x.sum(-1))  # the write reached the bound buffer
+    assert not bound.fits(torch.randn(4, 2).t())  # same shape, other strides
+    assert not bound.fits(torch.randn(2, 5))
+    assert not bound.fits(torch.randn(2, 4, dtype=torch.float64))
+    xg = torch.randn(2, 4, requires_grad=True)
+    assert not bound.fits(xg)
+    with torch.no_grad():
+        assert bound.fits(xg)
+    assert direct.bind(((2.0, 1), w, x, buf), (torch.randn(2, 4),)) is None  # not an argument
+    assert direct.bind(((2.0, 1), w, x, x), (x,)) is None  # appears twice
+    assert Direct(_toy, {}).bind(((2.0, 1), w, MLSTMState(x, x, x), x, buf), (x,)) is None  # returns a None
 
 
 def test_compile_argument_is_checked():

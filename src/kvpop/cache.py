@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -32,6 +33,18 @@ _PENDING = "_kvpop_layer"
 
 class ScorerSettingsWarning(UserWarning):
     """A learned scorer is used with a window or recency tilt it was not trained for."""
+
+
+@dataclass(slots=True)
+class _BoundStep:
+    """A layer's compiled steady step with its own tensors bound, and what it was bound with: the
+    layer uses it while these are still the same objects (``KVpopLayer._attend_steady``)."""
+
+    step: fused.Bound
+    scaling: float
+    state: object  # the policy state (updated in place by the step)
+    observed: torch.Tensor  # the window statistics (idem)
+    kernel: tuple | None  # the learned policy's decode_kernel (None: a pure steady_score)
 
 
 class KVpopLayer(CacheLayerMixin):
@@ -58,6 +71,8 @@ class KVpopLayer(CacheLayerMixin):
         self.timer: dict[str, float] | None = None  # set to {} to accumulate decode seconds per phase (benchmarks)
         self.compile = False  # compile the steady decode step (KVpopCache(compile=True), kvpop.fused.compiled)
         self.steady = True  # the fused steady decode step (False: always the general path, for tests)
+        self._bound: _BoundStep | None = None  # the compiled steady step with this layer's tensors bound
+        self._owned_state = None  # the policy state the fused step may update in place (see _attend_steady)
 
     # --- transformers' CacheLayerMixin -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -95,6 +110,7 @@ class KVpopLayer(CacheLayerMixin):
         return key_states, value_states
 
     def _views(self) -> None:
+        self._bound = None  # new buffers: the bound step must neither use nor keep the old ones
         n, k = self.cfg.budget, self.cfg.k
         self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
         self.slot_index = self._slot_index[:, :, :n]
@@ -187,22 +203,43 @@ class KVpopLayer(CacheLayerMixin):
 
         Same decisions and outputs as :meth:`_attend_decode` (tests hold them together). A learned
         policy (its ``decode_kernel``) or a policy with a pure ``steady_score`` is scored inside
-        the fused function; any other through its ``score``.
+        the fused function; any other through its ``score``. Compiled on the CPU, the first such
+        step binds the compiled function to this layer's tensors (:meth:`_bind`) and the next ones
+        pass only the new token's query, key and value, while the buffers, the policy state, the
+        statistics and the kernel are the same objects (they are updated in place).
         """
         timer = self.timer
         t0 = time.perf_counter() if timer is not None else 0.0
-        spec = self._step_spec(scaling)
         pol, t = self.policy, self.n_real
+        bound = self._bound
+        if (bound is not None and bound.scaling == scaling and bound.state is self.policy_state
+                and bound.observed is self.observed and self.compile
+                and (bound.kernel is None or bound.kernel is pol.decode_kernel(self.layer_idx, self.cfg.window))
+                and bound.step.fits(q, k_new, v_new)):  # t is n_real: this layer's own tensor
+            # the repeated step: only the new token's tensors change (see kvpop.fused.Bound)
+            out, self.n_real = bound.step(q, k_new, v_new, t)
+            self.min_real += 1
+            if timer is not None:
+                _tick(timer, "fused", t0)
+            return out
+        spec = self._step_spec(scaling)
         obs = self.observed if pol.needs_attention else None
         kernel = pol.decode_kernel(self.layer_idx, self.cfg.window)
         args = (q, k_new, v_new, self._k, self._v, self._slot_index, self._lr_prio, obs, t)
         steady = None if kernel is not None else pol.steady_score(self.layer_idx, q.device)
-        if kernel is not None:
-            out, obs, self.policy_state, t_next = self._fused("steady_learned", spec, *kernel, self.policy_state, *args)
-            if timer is not None:
-                _tick(timer, "fused", t0)
-        elif steady is not None:  # a pure score function: scored inside the fused step
-            out, obs, t_next = self._fused("steady_scored", spec, *steady, *args)
+        if kernel is not None or steady is not None:
+            name = "steady_learned" if kernel is not None else "steady_scored"
+            if kernel is not None:
+                state = self.policy_state
+                if state is not None and state is not self._owned_state:
+                    # the fused step updates the state in place: give it tensors nothing else holds
+                    state = self.policy_state = self._owned_state = map_state(
+                        state, lambda x: x.clone(memory_format=torch.contiguous_format))
+                args = (spec, *kernel, state, *args)
+            else:  # a pure score function: scored inside the fused step
+                args = (spec, *steady, *args)
+            out, t_next = self._fused(name, *args)
+            self._bind(name, args, (q, k_new, v_new, t), scaling, kernel)
             if timer is not None:
                 _tick(timer, "fused", t0)
         else:
@@ -217,14 +254,23 @@ class KVpopLayer(CacheLayerMixin):
                 raise RuntimeError(f"policy {pol.name} returned NaN scores at layer {self.layer_idx}")
             if timer is not None:
                 t0 = _tick(timer, "score", t0)
-            out, obs, t_next = self._fused("steady_tail", spec, *args, ex_k, ex_v, prio)
+            out, t_next = self._fused("steady_tail", spec, *args, ex_k, ex_v, prio)
             if timer is not None:
                 _tick(timer, "fused", t0)
-        if obs is not None:
-            self.observed = obs
         self.n_real = t_next
         self.min_real += 1
         return out
+
+    def _bind(self, name: str, args: tuple, dynamic: tuple, scaling: float, kernel) -> None:
+        """Keep the compiled step just called with everything but ``dynamic`` bound, for the next
+        steps (:class:`kvpop.fused.Bound`; CPU only: other devices go through ``torch.compile``)."""
+        self._bound = None
+        if not self.compile or fused.COMPILE_ERROR is not None or self.device.type != "cpu":
+            return
+        bind = getattr(fused.compiled(name, "cpu"), "bind", None)
+        step = None if bind is None else bind(args, dynamic)
+        if step is not None:
+            self._bound = _BoundStep(step, scaling, self.policy_state, self.observed, kernel)
 
     def _step_spec(self, scaling: float) -> fused.StepSpec:
         spec = self.__dict__.get("_spec")

@@ -24,7 +24,7 @@ from torch import Tensor
 from . import rule
 from .scorers.decode import DecodeSpec, decode_scores
 
-__all__ = ["COMPILE_ERROR", "Direct", "StepSpec", "compiled", "exit_gather", "steady_learned", "steady_scored", "steady_tail"]
+__all__ = ["COMPILE_ERROR", "Bound", "Direct", "StepSpec", "compiled", "exit_gather", "steady_learned", "steady_scored", "steady_tail"]
 
 COMPILE_ERROR: str | None = None  # set by the first failed compile: the process then runs these eagerly
 
@@ -58,10 +58,11 @@ def steady_tail(spec: StepSpec, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tens
     """Rule, writes and attention of a steady step, after scoring.
 
     ``K``/``V`` ``[b, h, B + 1, d]``, ``SI [b, h, B + 1]`` and ``LP [b, h, k + 1]`` are the layer's
-    buffers (with their trash slot), written IN PLACE; ``t [b]`` the new token's index; ``prio
-    [b, h]`` the exiting token's score. Returns ``(out [b, 1, hq, d], OBS, t + 1)``: the output in
-    the layout the model takes, the statistics updated (a new tensor; None when ``OBS`` is None)
-    and the next token's index (computed here: one eager op less per layer and step).
+    buffers (with their trash slot) and ``OBS`` its window statistics (or None), all written IN
+    PLACE (a new tensor per step is an allocation and a new object per step, and both cost more
+    than the update in a compiled step); ``t [b]`` the new token's index; ``prio [b, h]`` the
+    exiting token's score. Returns ``(out [b, 1, hq, d], t + 1)``: the output in the layout the
+    model takes and the next token's index (computed here: one eager op less per layer and step).
     """
     s, w, kk = spec.sinks, spec.window, spec.k
     n = s + w + kk
@@ -91,7 +92,7 @@ def steady_tail(spec: StepSpec, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tens
     qg = q.view(b, h, g, d)
     if OBS is None:
         out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, scale=spec.scaling)
-        return out.reshape(b, hq, 1, -1).transpose(1, 2), None, t + 1
+        return out.reshape(b, hq, 1, -1).transpose(1, 2), t + 1
     logits = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) * spec.scaling  # [b, h, g, B]
     # sinks and ring hold exactly the tokens still protected: their attention is what is observed
     p_ring = torch.softmax(logits[..., : s + w], -1)[..., s:].mean(2)  # [b, h, w]
@@ -99,26 +100,29 @@ def steady_tail(spec: StepSpec, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tens
     thr = torch.tensor([w - o for o in spec.obs_windows], device=q.device)
     contrib = (age.unsqueeze(-1) >= thr) * p_ring.unsqueeze(-1)  # [b, h, w, n_obs]
     # the new token's ring slot restarts its statistics; the others accumulate
-    OBS = OBS.scatter(2, ring_off.view(b, 1, 1, 1).expand(b, h, 1, OBS.shape[-1]), 0.0) + contrib
+    OBS.scatter_(2, ring_off.view(b, 1, 1, 1).expand(b, h, 1, OBS.shape[-1]), 0.0).add_(contrib)
     out = torch.matmul(torch.softmax(logits, -1).to(values.dtype), values)
-    return out.reshape(b, hq, 1, -1).transpose(1, 2), OBS, t + 1
+    return out.reshape(b, hq, 1, -1).transpose(1, 2), t + 1
 
 
 def steady_learned(spec: StepSpec, sspec: DecodeSpec, params: tuple, state, q: Tensor, k_new: Tensor,
                    v_new: Tensor, K: Tensor, V: Tensor, SI: Tensor, LP: Tensor, OBS: Tensor | None, t: Tensor):
     """The whole steady step of a learned policy: read, score (``kvpop.scorers.decode``), rule,
-    writes, attention. Returns ``(out, OBS, state, t + 1)``."""
+    writes, attention. The scorer's ``state`` (a tuple of tensors the caller owns, or None) is
+    updated IN PLACE, like the buffers (:func:`steady_tail`). Returns ``(out, t + 1)``."""
     ex_k, ex_v, obs = exit_gather(spec, K, V, OBS, t)
-    state, prio = decode_scores(sspec, params, state, k_new, v_new, ex_k, ex_v, t, t - spec.window, obs)
-    out, OBS, t_next = steady_tail(spec, q, k_new, v_new, K, V, SI, LP, OBS, t, ex_k, ex_v, prio)
-    return out, OBS, state, t_next
+    new_state, prio = decode_scores(sspec, params, state, k_new, v_new, ex_k, ex_v, t, t - spec.window, obs)
+    if state is not None:
+        for old, new in zip(state, new_state):
+            old.copy_(new)
+    return steady_tail(spec, q, k_new, v_new, K, V, SI, LP, OBS, t, ex_k, ex_v, prio)
 
 
 def steady_scored(spec: StepSpec, score, consts: tuple, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tensor,
                   V: Tensor, SI: Tensor, LP: Tensor, OBS: Tensor | None, t: Tensor):
     """The whole steady step of a policy with a pure score function (``Policy.steady_score``):
     read, ``score(consts, ex_k, ex_v, ex_obs, exit_index)``, rule, writes, attention. Returns
-    ``(out, OBS, t + 1)``."""
+    ``(out, t + 1)``."""
     ex_k, ex_v, obs = exit_gather(spec, K, V, OBS, t)
     prio = score(consts, ex_k, ex_v, obs, t - spec.window).reshape(K.shape[0], K.shape[1])
     return steady_tail(spec, q, k_new, v_new, K, V, SI, LP, OBS, t, ex_k, ex_v, prio)
@@ -129,19 +133,20 @@ def compiled(fn_name: str, device_type: str = "cpu"):
     """One of the steady-step functions compiled for one device type (built on first use, shared
     by all caches).
 
-    On the CPU: inductor's code called directly (:class:`Direct`), one graph per input layout. On
-    other devices: ``torch.compile`` with inductor's defaults (Triton kernels on CUDA),
-    ``dynamic=False`` (decode shapes are static, so each budget and batch compiles once). Raises
-    whatever the compiler raises when no backend works here (the cache then falls back to the
-    eager functions).
+    On the CPU: inductor's code called directly (:class:`Direct`), one graph per input layout,
+    which a cache layer binds for its repeated steps (:meth:`Direct.bind`). On other devices:
+    ``torch.compile`` with inductor's defaults (Triton kernels on CUDA), ``dynamic=False``
+    (decode shapes are static, so each budget and batch compiles once). Raises whatever the
+    compiler raises when no backend works here (the cache then falls back to the eager functions).
     """
     fn = {"steady_tail": steady_tail, "steady_learned": steady_learned, "steady_scored": steady_scored}[fn_name]
     if device_type != "cpu":
         return torch.compile(fn, dynamic=False, fullgraph=True)
     # a C++ wrapper (less Python per call) and single-threaded kernels: the tensors of one decode
     # step are too small for a parallel region to pay for itself (measured: ~25 us less per layer
-    # at 2 threads); the matmuls still use torch's threads
-    return Direct(fn, {"cpp_wrapper": True, "cpp.threads": 1})
+    # at 2 threads); the matmuls still use torch's threads. Memory planning: the ~25 intermediates
+    # of a step share one allocation (measured in the model: 0.4 ms less per decode step)
+    return Direct(fn, {"cpp_wrapper": True, "cpp.threads": 1, "memory_planning": True})
 
 
 _TENSOR = object()  # marks where a tensor goes in an argument or result template
@@ -195,12 +200,15 @@ class Direct:
     through ``torch.compile`` and 1.00x called this way (``kvpop bench overhead`` conditions).
 
     What dynamo's guards checked, the key here checks: every non-tensor argument (specs, score
-    functions, None) by value, and each tensor's dtype, shape and strides, plus the device of the
-    first. A new key traces ``fn`` with fake tensors (``make_fx``) and compiles the graph
-    (``compile_fx``, what ``torch.compile`` uses); in-place writes to inputs stay in place.
-    ``fn`` must be a pure tensor function of its arguments (tensors, None, hashable constants,
-    and tuples of those) returning the same kinds; with autograd recording and an input that
-    requires grad it runs eagerly.
+    functions, None) by value, and each tensor's device, dtype, shape and strides. A new key traces
+    ``fn`` with fake tensors (``make_fx``) and compiles the graph (``compile_fx``, what
+    ``torch.compile`` uses); in-place writes to inputs stay in place. ``fn`` must be a pure tensor
+    function of its arguments (tensors, None, hashable constants, and tuples of those) returning
+    the same kinds; with autograd recording and an input that requires grad it runs eagerly.
+
+    A caller that repeats a call with only a few tensors new (a cache layer's decode step) binds
+    the rest once (:meth:`bind`): checking and flattening every argument on each call costs more
+    in the model than it seems (:class:`Bound`).
     """
 
     def __init__(self, fn, options: dict) -> None:
@@ -214,12 +222,31 @@ class Direct:
         template, tensors = _template(args)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return self.fn(*args)
-        key = (tensors[0].device, template, tuple((t.dtype, t.shape, t.stride()) for t in tensors))
+        run, out_template = self._graph(template, tensors)
+        return tuple(_fill(out_template, run(*tensors)))
+
+    def bind(self, args: tuple, dynamic: tuple[Tensor, ...]) -> Bound | None:
+        """The graph for ``args`` with everything but the ``dynamic`` tensors (which must each be
+        one of the tensors in ``args``, once) fixed, for a caller that repeats the call with only
+        those replaced; None when that does not hold or ``fn`` returns anything but tensors."""
+        template, tensors = _template(args)
+        positions = tuple(i for d in dynamic for i, x in enumerate(tensors) if x is d)
+        if len(positions) != len(dynamic):  # one missing, or one appearing twice
+            return None
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return None  # __call__ runs these eagerly
+        run, out_template = self._graph(template, tensors)
+        if any(o is not _TENSOR for o in out_template):
+            return None
+        return Bound(run, tensors, positions)
+
+    def _graph(self, template: tuple, tensors: list[Tensor]):
+        """``(run, out_template)`` for this layout, compiled on first use."""
+        key = (template, tuple((t.device, t.dtype, t.shape, t.stride()) for t in tensors))
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._build(template, tensors)
-        run, out_template = graph
-        return tuple(_fill(out_template, run(*tensors)))
+        return graph
 
     def _build(self, template: tuple, tensors: list[Tensor]):
         out = {}
@@ -233,3 +260,40 @@ class Direct:
             gm = self._make_fx(flat, tracing_mode="fake")(*tensors)
             run = self._compile_fx(gm, list(tensors), config_patches=self.options)
         return run, out["template"]
+
+
+class Bound:
+    """One :class:`Direct` graph with all its inputs fixed but a few (:meth:`Direct.bind`): a cache
+    layer's steady step, where only the query, key, value and token index are new each step.
+
+    Why: in the model, every Python operation of the per-layer call costs several times what it
+    costs in a hot loop (the LLM's weights stream through the caches between two calls), and
+    flattening and checking ~20 arguments was about 1 ms of a 41 ms decode step of SmolLM2.
+    ``fits`` checks the new tensors only; the caller guarantees that the fixed ones are unchanged
+    (same objects, not resized in place) and drops the ``Bound`` when it replaces any of them.
+    """
+
+    __slots__ = ("device", "flat", "layouts", "positions", "run")
+
+    def __init__(self, run, tensors: list[Tensor], positions: tuple[int, ...]) -> None:
+        self.run, self.flat, self.positions = run, list(tensors), positions
+        self.layouts = tuple((tensors[i].shape, tensors[i].stride(), tensors[i].dtype) for i in positions)
+        self.device = tensors[positions[0]].device if positions else None
+
+    def fits(self, *dynamic: Tensor) -> bool:
+        """Whether new tensors, the first ``len(dynamic)`` of :meth:`Direct.bind`'s dynamic ones
+        (a caller may leave out one it makes itself), have the bound shapes, strides and dtypes and
+        need no autograd. Only the first one's device is checked: they come from one model."""
+        for x, (shape, stride, dtype) in zip(dynamic, self.layouts):
+            if x.shape != shape or x.stride() != stride or x.dtype != dtype:
+                return False
+        if dynamic and dynamic[0].device != self.device:
+            return False
+        return not (torch.is_grad_enabled() and any(x.requires_grad for x in dynamic))
+
+    def __call__(self, *dynamic: Tensor) -> list[Tensor]:
+        """The graph's results (``fn``'s tensors, in order) with ``dynamic`` in place of the bound ones."""
+        flat = self.flat
+        for i, x in zip(self.positions, dynamic):
+            flat[i] = x
+        return self.run(*flat)

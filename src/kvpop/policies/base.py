@@ -112,7 +112,9 @@ class Policy:
 
     def decode_kernel(self, layer_idx: int, window: int) -> tuple | None:
         """Optional: ``(DecodeSpec, params)`` of ``kvpop.scorers.decode`` to score the decode steady
-        state inside the cache's fused (optionally compiled) step; None: the cache calls :meth:`score`."""
+        state inside the cache's fused (optionally compiled) step; None: the cache calls :meth:`score`.
+        Called at every such step: return the same tuple object while it is unchanged (a compiled
+        cache keeps its step bound to it, and rebinds when the object changes)."""
         return None
 
     def steady_score(self, layer_idx: int, device: torch.device) -> tuple[Callable, tuple] | None:
@@ -121,7 +123,8 @@ class Policy:
         1, d]``, ``attention`` ``[b, h, 1, n]`` or None, ``index [b]``; returns ``[b, h, 1]``), so the
         cache fuses (and with ``compile=True`` compiles) it into its steady decode step. None: the
         cache calls :meth:`score`. A subclass that overrides ``score`` gets None unless it overrides
-        this too (see :meth:`_own_steady`)."""
+        this too (see :meth:`_own_steady`). ``fn`` and ``consts`` must stay the same for a policy,
+        layer and device: a compiled cache binds them once for the steps that follow."""
         return None
 
     def _own_steady(self, owner: type, fn: Callable, consts: tuple = ()) -> tuple[Callable, tuple] | None:
