@@ -226,6 +226,7 @@ def test_direct_bind_replaces_only_the_dynamic_tensors():
         assert bound.fits(xg)
     assert direct.bind(((2.0, 1), w, x, buf), (torch.randn(2, 4),)) is None  # not an argument
     assert direct.bind(((2.0, 1), w, x, x), (x,)) is None  # appears twice
+    assert direct.bind(((2.0, 1), w, x, x), (x, buf)) is None  # one twice, one missing
     assert Direct(_toy, {}).bind(((2.0, 1), w, MLSTMState(x, x, x), x, buf), (x,)) is None  # returns a None
 
 

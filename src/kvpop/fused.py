@@ -230,9 +230,10 @@ class Direct:
         one of the tensors in ``args``, once) fixed, for a caller that repeats the call with only
         those replaced; None when that does not hold or ``fn`` returns anything but tensors."""
         template, tensors = _template(args)
-        positions = tuple(i for d in dynamic for i, x in enumerate(tensors) if x is d)
-        if len(positions) != len(dynamic):  # one missing, or one appearing twice
+        found = [[i for i, x in enumerate(tensors) if x is d] for d in dynamic]
+        if any(len(f) != 1 for f in found):  # one missing, or one appearing twice
             return None
+        positions = tuple(f[0] for f in found)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return None  # __call__ runs these eagerly
         run, out_template = self._graph(template, tensors)
