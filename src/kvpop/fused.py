@@ -176,6 +176,11 @@ def _template(items) -> tuple[tuple, list[Tensor]]:
     return tuple(template), tensors
 
 
+def _records_grad(tensors) -> bool:
+    """Whether autograd would record an op on ``tensors`` (compiled graphs here are inference-only)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _fill(template: tuple, tensors) -> list:
     """The inverse of :func:`_template`."""
     it = iter(tensors)
@@ -220,7 +225,7 @@ class Direct:
 
     def __call__(self, *args):
         template, tensors = _template(args)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if _records_grad(tensors):
             return self.fn(*args)
         run, out_template = self._graph(template, tensors)
         return tuple(_fill(out_template, run(*tensors)))
@@ -234,7 +239,7 @@ class Direct:
         if any(len(f) != 1 for f in found):  # one missing, or one appearing twice
             return None
         positions = tuple(f[0] for f in found)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if _records_grad(tensors):
             return None  # __call__ runs these eagerly
         run, out_template = self._graph(template, tensors)
         if any(o is not _TENSOR for o in out_template):
@@ -290,7 +295,7 @@ class Bound:
                 return False
         if dynamic and dynamic[0].device != self.device:
             return False
-        return not (torch.is_grad_enabled() and any(x.requires_grad for x in dynamic))
+        return not _records_grad(dynamic)
 
     def __call__(self, *dynamic: Tensor) -> list[Tensor]:
         """The graph's results (``fn``'s tensors, in order) with ``dynamic`` in place of the bound ones."""
