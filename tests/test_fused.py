@@ -190,6 +190,40 @@ def test_direct_compiled_call_follows_its_inputs():
     assert len(direct.graphs) == 4
 
 
+@pytest.mark.slow
+def test_torch_compile_path_equals_eager(monkeypatch):
+    """The step as other devices (CUDA) compile it, through torch.compile and dynamo's handling of
+    the in-place updates (buffers, statistics, scorer state), run here on the CPU: same outputs and
+    decisions as eager. No bound step: only inductor's direct CPU code is bound."""
+    from kvpop import fused
+
+    def via_dynamo(name, device_type="cpu"):
+        return torch.compile(getattr(fused, name), dynamic=False, fullgraph=True)
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = _ids(60, batch=2)
+    kw = {"budget": 20, "window": 6, "sinks": 2}
+    for policy in ("kvpop+", "h2o"):
+        b = KVpopCache(model.config, policy=_policy(policy, model), **kw)
+        want = _run(model, b, ids, 30)
+        monkeypatch.setattr(fused, "compiled", via_dynamo)
+        a = KVpopCache(model.config, policy=_policy(policy, model), compile=True, **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            got = _run(model, a, ids, 30)
+        monkeypatch.undo()
+        if any("compiling the decode step failed" in str(w.message) for w in caught):
+            pytest.skip("no working torch.compile backend on this machine")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for x, y in zip(a.layers, b.layers):
+            assert torch.equal(x.slot_index, y.slot_index)
+            torch.testing.assert_close(x.observed, y.observed, rtol=1e-4, atol=1e-5)
+            if x.policy_state is not None:  # accumulated over 40 steps in another float order
+                for s, t in zip(x.policy_state, y.policy_state):
+                    torch.testing.assert_close(s, t, rtol=1e-4, atol=1e-5)
+            assert x._bound is None
+
+
 def _toy_tensors(spec, w: tuple, x, buf):
     scale, slot = spec
     buf[:, slot] = x.sum(-1)
