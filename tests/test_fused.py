@@ -43,13 +43,19 @@ def test_steady_path_equals_general_decode(policy, batch):
     b = KVpopCache(model.config, policy=_policy(policy, model), **kw)
     la, lb = _run(model, a, ids, 30), _run(model, b, ids, 30, steady=False)
     torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
-    for x, y in zip(a.layers, b.layers):
+    _assert_same_layers(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _assert_same_layers(a, b, rtol, atol):
+    """Same held tokens in every layer of caches ``a`` and ``b``, and the same priorities, window
+    statistics and scorer state to tolerance."""
+    for x, y in zip(a.layers, b.layers, strict=True):
         assert torch.equal(x.slot_index, y.slot_index)
-        torch.testing.assert_close(x.lr_prio, y.lr_prio, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(x.observed, y.observed, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x.lr_prio, y.lr_prio, rtol=rtol, atol=atol)
+        torch.testing.assert_close(x.observed, y.observed, rtol=rtol, atol=atol)
         if x.policy_state is not None:
             for s, t in zip(x.policy_state, y.policy_state):
-                torch.testing.assert_close(s, t, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(s, t, rtol=rtol, atol=atol)
 
 
 def test_decode_scores_equal_step_and_read():
@@ -215,13 +221,8 @@ def test_torch_compile_path_equals_eager(monkeypatch):
         if any("compiling the decode step failed" in str(w.message) for w in caught):
             pytest.skip("no working torch.compile backend on this machine")
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for x, y in zip(a.layers, b.layers):
-            assert torch.equal(x.slot_index, y.slot_index)
-            torch.testing.assert_close(x.observed, y.observed, rtol=1e-4, atol=1e-5)
-            if x.policy_state is not None:  # accumulated over 40 steps in another float order
-                for s, t in zip(x.policy_state, y.policy_state):
-                    torch.testing.assert_close(s, t, rtol=1e-4, atol=1e-5)
-            assert x._bound is None
+        _assert_same_layers(a, b, rtol=1e-4, atol=1e-5)  # the scorer state: 40 steps in another float order
+        assert all(x._bound is None for x in a.layers)
 
 
 def _toy_tensors(spec, w: tuple, x, buf):
