@@ -188,7 +188,7 @@ def test_right_padding_is_refused():
 
 def test_compression_resolves_budget():
     cfg = EvictionConfig.from_budget(compression=0.875, reference_length=4096)
-    assert cfg.budget == 512 and cfg.window == 64 and cfg.sinks == 4 and cfg.k == 444
+    assert cfg.budget == 512 and cfg.window == 256 and cfg.sinks == 4 and cfg.k == 252
     assert abs(cfg.compression(4096) - 0.875) < 1e-9
 
 
@@ -232,20 +232,39 @@ def test_learned_policy_defaults_to_its_trained_window_and_lam_and_warns_on_othe
 
     model = tiny_model("llama", num_hidden_layers=2)
     scorer = _policy("kvpop-mlp", model).scorer
-    trained = {"budgets": [24], "window": None, "window_fraction": 0.5, "windows": {"24": 12}, "lam": 0.01}
+    trained = {"budget_range": [24, 48], "window_fraction": 0.5, "lam": 0.01}
     pol = LearnedPolicy(scorer, trained_for=trained)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ScorerSettingsWarning)
         c = KVpopCache(model.config, budget=24, policy=pol)
         assert (c.eviction.window, c.eviction.lam) == (12, 0.01)
-        c = KVpopCache(model.config, budget=40, policy=pol)  # another budget: the trained window fraction
+        c = KVpopCache(model.config, budget=40, policy=pol)  # any budget in the range: the trained fraction
         assert c.eviction.window == 20
         c = KVpopCache(model.config, compression=0.5, reference_length=64, policy=pol)
         assert c.eviction.window == 16
     with pytest.warns(ScorerSettingsWarning, match="window 3 .*trained: 12"):
         KVpopCache(model.config, budget=24, window=3, policy=pol)
-    with pytest.warns(ScorerSettingsWarning, match="lam 0.0 .*trained: 0.01"):
+    with pytest.warns(ScorerSettingsWarning, match="lam 0 .*trained: 0.01"):
         KVpopCache(model.config, budget=24, lam=0.0, policy=pol)
-    # heuristics keep the library defaults (B // 8, lam 0)
+    # outside the trained range: still the trained fraction, with a warning naming the range
+    with pytest.warns(ScorerSettingsWarning, match="budget 64 .*trained over budgets 24..48"):
+        c = KVpopCache(model.config, budget=64, policy=pol)
+    assert c.eviction.window == 32
+    # heuristics: the library defaults (B / 2, lam 0)
     c = KVpopCache(model.config, budget=24, policy="h2o")
-    assert (c.eviction.window, c.eviction.lam) == (3, 0.0)
+    assert (c.eviction.window, c.eviction.lam) == (12, 0.0)
+
+
+def test_older_checkpoint_metadata_reads_as_a_range_and_a_fraction():
+    """Shipped checkpoints list exact budgets and windows (``{"512": 256, "1024": 512}``, fraction null
+    in the adapter bundle): they read as budgets 512..1024 at window B / 2, so B = 384 gets 192, not a
+    fallback (the bug of issue #23: the bundle path resolved window 48 at B = 384)."""
+    from kvpop.config import TrainedSettings
+
+    old = {"budgets": [512, 1024], "window": None, "window_fraction": None, "windows": {"512": 256, "1024": 512},
+           "sinks": 4, "lam": 0.0, "seq_len": 2048}
+    t = TrainedSettings.from_meta(old)
+    assert t.budget_range == (512, 1024) and t.window_fraction == 0.5 and t.window is None
+    assert [t.window_at(b) for b in (256, 384, 2048)] == [128, 192, 1024]
+    fixed = TrainedSettings.from_meta({"budgets": [24, 32], "windows": {"24": 8, "32": 8}})
+    assert fixed.window == 8 and fixed.window_at(100) == 8

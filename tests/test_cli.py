@@ -107,11 +107,11 @@ def test_info_shows_the_split_and_lam_the_cache_would_use(tiny, capsys):
     root, _ = tiny
     assert main(["info", "--model", str(root / "model"), "--policy", "h2o", "--budget", "16", "--lam", "0.01", "--json"]) == 0
     budget = json.loads(capsys.readouterr().out)["budget"]
-    assert budget == {"policy": "h2o", "sinks": 4, "window": 2, "k": 10, "B": 16, "lam": 0.01}
+    assert budget == {"policy": "h2o", "sinks": 4, "window": 8, "k": 4, "B": 16, "lam": 0.01}
     # the default policy is the shipped scorer, trained for SmolLM2: on another model, the library's split
     assert main(["info", "--model", str(root / "model"), "--budget", "16", "--json"]) == 0
     budget = json.loads(capsys.readouterr().out)["budget"]
-    assert budget["policy"] == "knorm" and budget["window"] == 2 and budget["lam"] == 0.0
+    assert budget["policy"] == "knorm" and budget["window"] == 8 and budget["lam"] == 0.0
     # a learned policy named explicitly on the wrong model is the usual clear error
     assert main(["info", "--model", str(root / "model"), "--policy", "kvpop", "--budget", "16"]) == 2
 
@@ -132,6 +132,25 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
     assert _generate(root, "--adapter", str(tmp_path / "bundle")) == 0  # not the shipped scorer (which would fail)
     err = capsys.readouterr().err
     assert "adapted model:" in err and "policy=kvpop " in err
+    assert _generate(root, "--adapter", str(tmp_path / "bundle"), "--base-model") == 2
+    assert "--adapter and --base-model exclude each other" in capsys.readouterr().err
+    # a bundle with an MLP scorer serves kvpop-mlp by default (it used to fall back to the shipped mLSTM)
+    mlp = build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16))
+    save_adapter_bundle(add_lora(tiny_model("llama")), mlp, tmp_path / "mlp-bundle", {"trained_for": {"budgets": [16]}})
+    assert _generate(root, "--adapter", str(tmp_path / "mlp-bundle")) == 0
+    err = capsys.readouterr().err
+    assert "policy=kvpop-mlp " in err and "adapter bundle" in err
+    assert _generate(root, "--adapter", str(tmp_path / "mlp-bundle"), "--policy", "kvpop") == 2
+    assert "whose scorer is a mlp (policy 'kvpop-mlp')" in capsys.readouterr().err
+    # one rule in the API: the bundle's scorer through the model and through its config alike
+    import kvpop
+
+    model, _ = kvpop.load_model(str(root / "model"), adapter=tmp_path / "mlp-bundle", progress=False)
+    for cache in (kvpop.KVpopCache(model.config, budget=16, policy="kvpop-mlp"),
+                  kvpop.make_cache(model, "kvpop-mlp", budget=16)):  # fmt: skip
+        assert "adapter bundle" in cache.policy.source and cache.policy.scorer.config.kind == "mlp"
+    with pytest.raises(ValueError, match="whose scorer is a mlp"):
+        kvpop.KVpopCache(model.config, budget=16)
     assert _generate(root, "--adapter", str(tmp_path / "bundle"), "--base-model") == 2
     assert "--adapter and --base-model exclude each other" in capsys.readouterr().err
 

@@ -110,8 +110,8 @@ def test_one_budget_rule_for_evaluation_and_cache():
             KVpopCache(tiny_model("llama").config, compression=bad, reference_length=64, policy="knorm")
     (b,) = EvalConfig(compressions=(0.875,), reference_length=4096, window_fraction=None).budgets()
     assert b == EvictionConfig.from_budget(compression=0.875, reference_length=4096)
-    assert (b.budget, b.window, b.sinks, b.k) == (512, 64, 4, 444)
-    # the default evaluation gives every window-based policy the same window fraction of B
+    assert (b.budget, b.window, b.sinks, b.k) == (512, 256, 4, 252)
+    # the default evaluation resolves each policy's window as a cache does (B / 2 for the heuristics)
     (b,) = EvalConfig(compressions=(0.875,), reference_length=4096).budgets()
     assert (b.budget, b.window, b.sinks, b.k) == (512, 256, 4, 252)
 

@@ -95,3 +95,41 @@ def test_shipped_adapter_loads_onto_the_embedded_model_and_serves_kvpop(real):
         assert 0 < (got - want).abs().max() < 5
         with teacher_mode(model):
             torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_resolver_for_base_and_adapted_model_config_and_model(real):
+    """Issue #23: every path that builds a cache gets the same split at every budget — the base model and
+    the adapted bundle, through ``KVpopCache(model.config)`` and ``make_cache(model)`` — the trained window
+    fraction of B (the bundle path used to fall back to B // 8 at budgets it was not trained at exactly),
+    and the config and model paths of one model take the same decisions."""
+    from kvpop.config import ScorerSettingsWarning
+
+    base, tok = real
+    adapted, _ = kvpop.load_model(adapter="default", merge=True, progress=False)
+    ids = tok("The quick brown fox jumps over the lazy dog. " * 80, return_tensors="pt").input_ids[:, :700]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ScorerSettingsWarning)  # the shipped scorers' range is 512..1024
+        for budget in (256, 384, 512, 768, 2048):
+            splits = set()
+            for model, bundle in ((base, False), (adapted, True)):
+                by_config = kvpop.KVpopCache(model.config, budget=budget)
+                by_model = kvpop.make_cache(model, "kvpop", budget=budget)
+                for cache in (by_config, by_model):
+                    assert ("adapter bundle" in cache.policy.source) == bundle
+                    e = cache.eviction
+                    splits.add((e.sinks, e.window, e.k, e.lam))
+                if budget <= 384:  # the same decisions through the config and the model
+                    with torch.no_grad():
+                        model(ids, past_key_values=by_config)
+                        model(ids, past_key_values=by_model)
+                    for a, b in zip(by_config.layers, by_model.layers, strict=True):
+                        assert torch.equal(a.held_indices(), b.held_indices())
+            assert splits == {(4, budget // 2, budget - 4 - budget // 2, 0.0)}, (budget, splits)
+
+
+def test_generate_cli_resolves_the_bundle_window_at_any_budget(capsys):
+    from kvpop.cli import main
+
+    assert main(["generate", "--prompt", "The capital of France is", "--budget", "384", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "adapter bundle" in err and "window=192" in err and "budget=384" in err

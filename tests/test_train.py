@@ -45,7 +45,8 @@ def test_training_runs_and_writes_checkpoints(tmp_path, docs, kind):
     assert {h["budget"] for h in summary["history"]} <= {24, 32}
     header = read_header(tmp_path / "scorer.safetensors")
     assert header["config"]["kind"] == kind and header["config"]["position_free"] and header["config"]["tilt"]
-    assert header["meta"]["trained_for"]["windows"] == {"24": 8, "32": 8}
+    tf = header["meta"]["trained_for"]
+    assert tf["window"] == 8 and tf["budget_range"] == [24, 32] and tf["budgets"] == [24, 32]
     assert summary["tokens_seen"] == 6 * 64
     # retention under the real cache was measured, next to streaming, and the best checkpoint kept
     vals = [h["val"] for h in summary["history"] if "val" in h]

@@ -24,15 +24,18 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import fused, rule
 from .attention import NAME as ATTN_NAME
 from .attention import KVpopOffset, attach
-from .config import EvictionConfig, attention_shape, budget_of_compression, check_full_attention
+from .config import (
+    EvictionConfig,
+    ScorerSettingsWarning,
+    attention_shape,
+    check_full_attention,
+    resolve_eviction,
+    settings_note,
+)
 from .policies import DEFAULT_POLICY, DENSE, LEARNED_POLICIES, ExitBatch, Policy, get_policy, map_state
 from .rule import NEVER, decide_chunk
 
 _PENDING = "_kvpop_layer"
-
-
-class ScorerSettingsWarning(UserWarning):
-    """A learned scorer is used with a window or recency tilt it was not trained for."""
 
 
 @dataclass(slots=True)
@@ -545,6 +548,12 @@ def _tick(timer: dict[str, float], phase: str, t0: float) -> float:
     return now
 
 
+def _source(policy: Policy) -> str:
+    """How a warning names a policy's scorer: its checkpoint, else the policy."""
+    source = getattr(policy, "source", None)
+    return f"scorer {source}" if source else f"policy {policy.name}"
+
+
 def _check_padding(valid: torch.Tensor, n_real: torch.Tensor) -> None:
     """Only left padding: a row's padding must come before any of its real tokens."""
     started = (n_real > 0).unsqueeze(1) | (valid.long().cumsum(1) > 0)
@@ -600,31 +609,19 @@ class KVpopCache(Cache):
             raise TypeError(f"compile must be True or False, got {compile!r}")
         if eviction is not None and any(v is not None for v in (budget, k, compression, reference_length, window)):
             raise ValueError("give either eviction=EvictionConfig(...) or budget/k/compression/window, not both")
+        if isinstance(policy, str) and policy in LEARNED_POLICIES:
+            policy_kwargs.setdefault("config", config)  # a model loaded with an adapter bundle: its scorer
         pol = get_policy(policy, **policy_kwargs)
         if eviction is None:
-            # unset window / lam: the policy's own (a learned scorer's trained settings), else the defaults
-            if window is None and k is None and (budget is not None or compression is not None):
-                b = budget if compression is None else budget_of_compression(compression, reference_length)
-                if isinstance(b, int) and not isinstance(b, bool) and b >= 1:
-                    window = pol.default_window(b)
-                    if window is not None and sinks + window >= b:  # does not fit this budget: the library default
-                        window = None
-            if lam is None:
-                lam = pol.default_lam() or 0.0
-            eviction = EvictionConfig.from_budget(
-                budget,
-                k=k,
-                compression=compression,
-                reference_length=reference_length,
-                window=window,
-                sinks=sinks,
-                lam=lam,
-                prefill_chunk=prefill_chunk,
-            )
-        check = getattr(pol, "check_settings", None)
-        note = check(eviction) if check is not None else None
-        if note:
-            warnings.warn(note, ScorerSettingsWarning, stacklevel=2)
+            # the one resolver: unset window / lam come from a learned scorer's trained settings
+            eviction = resolve_eviction(
+                budget, k=k, compression=compression, reference_length=reference_length, window=window,
+                sinks=sinks, lam=lam, prefill_chunk=prefill_chunk, trained=pol.trained, source=_source(pol),
+            )  # fmt: skip
+        elif pol.trained is not None:
+            note = settings_note(eviction, pol.trained, _source(pol))
+            if note:
+                warnings.warn(note, ScorerSettingsWarning, stacklevel=2)
         if not pol.uses_long_range and eviction.k > 0:
             # equal budget, all of it recency: StreamingLLM with a longer window
             eviction = EvictionConfig(

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from .policies import DEFAULT_POLICY, KIND_TO_POLICY, policy_names
 
@@ -70,7 +71,7 @@ def _add_budget(p: argparse.ArgumentParser, default_budget: int | None = 512) ->
     g.add_argument("--compression", type=float, default=None, help="compression r in (0, 1) of --reference-length")
     p.add_argument("--reference-length", type=int, default=4096, help="L for --compression (default 4096)")
     p.add_argument("--window", type=int, default=None,
-                   help="protected recent window (default: the learned scorer's trained window, else B // 8)")
+                   help="protected recent window (default: a learned scorer's trained fraction of B, else B / 2)")
     p.add_argument("--sinks", type=int, default=4, help="attention sinks kept forever (default 4)")
     p.add_argument("--lam", type=float, default=None,
                    help="recency tilt of the priority r(t) + lam * t (default: the scorer's trained lam, else 0)")
@@ -155,6 +156,16 @@ def _generate_adapter(args, policy: str):
     return "default"
 
 
+def _bundle_policy(adapter, default: str) -> str:
+    """The learned policy an adapter bundle's scorer serves (``default`` for a bundle without one)."""
+    from .adapters import read_bundle_meta
+    from .checkpoint import default_adapter_path
+
+    folder = default_adapter_path() if str(adapter) == "default" else Path(adapter)
+    scorer = read_bundle_meta(folder).get("scorer")
+    return policy_for_scorer(str(folder / scorer)) if scorer else default
+
+
 def cmd_generate(args) -> int:
     from .generate import generate
 
@@ -165,6 +176,8 @@ def cmd_generate(args) -> int:
         policy = args.policy or DEFAULT_POLICY
         policy_kwargs = {"seed": args.seed} if policy == "random" else {}
     adapter = _generate_adapter(args, policy)
+    if adapter is not None and args.policy is None and args.scorer is None:
+        policy = _bundle_policy(adapter, policy)  # the bundle's scorer decides (an MLP bundle serves kvpop-mlp)
     prompt = _read_prompt(args)
     t0 = time.perf_counter()
     # LoRA merged into the weights: the same model, no adapter layers on the decode path

@@ -95,7 +95,7 @@ def generate(
     is the shipped mLSTM scorer (``"kvpop"``). ``policy_kwargs`` go to the policy factory (e.g.
     ``{"path": "scorer.safetensors"}``). The budget is ``budget=B``, ``k=K`` (+ ``window``), or
     ``compression=r`` with ``reference_length=L``; ``window`` and the recency tilt ``lam``
-    default to what a learned scorer was trained with (else ``B // 8`` and 0). ``chat=True``
+    default to what a learned scorer was trained with (else ``B / 2`` and 0). ``chat=True``
     wraps each prompt in the tokenizer's chat template. ``compile=True`` compiles the cache's
     steady decode step (``KVpopCache(compile=True)``): a few seconds once, faster steps after.
     """

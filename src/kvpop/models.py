@@ -460,6 +460,8 @@ def load_model(
             bundle.scorer.to(device)
         # a plain attribute (not a registered submodule): the scorer's weights stay out of model.parameters()
         object.__setattr__(model, "kvpop_adapter", _AdapterInfo(Path(adapter), bundle.scorer, bundle.meta))
+        # the config names the bundle too, so KVpopCache(model.config) finds its scorer as make_cache(model) does
+        model.config.kvpop_adapter = str(Path(adapter).resolve())
     elif merge:
         raise ValueError("merge=True needs adapter=PATH")
     return model, tokenizer

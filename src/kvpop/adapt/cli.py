@@ -43,7 +43,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--budgets", type=_ints, default=d.budgets, help="comma-separated budgets B; one is drawn per step")
     p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
     p.add_argument("--window", type=int, default=None,
-                   help="protected window (default: the scorer's trained window, else B // 8; streaming: B - sinks)")  # fmt: skip
+                   help="protected window (default: the scorer's trained fraction of B, else B / 2; streaming: B - sinks)")  # fmt: skip
     p.add_argument("--window-fraction", type=float, default=None)
     p.add_argument("--lam", type=float, default=None, help="recency tilt (default: the scorer's trained lam, else 0)")
     p.add_argument("--lora-targets", default=",".join(DEFAULT_LORA_TARGETS), help="modules that get LoRA adapters")

@@ -8,8 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..adapters import DEFAULT_LORA_TARGETS
-from ..config import EvictionConfig
-from ..policies.learned import trained_window
+from ..config import EvictionConfig, TrainedSettings, default_window, resolve_eviction
 from ..train.config import TRAIN_CORPORA
 
 MASKS = ("kvpop", "streaming")
@@ -40,7 +39,7 @@ class AdaptConfig:
     batch_size: int = 1  # sequences per step, over all ranks
     budgets: tuple[int, ...] = (512,)  # one is drawn per step
     budget: int | None = None  # shorthand for budgets=(budget,)
-    window: int | None = None  # None: window_fraction * B, else the scorer's trained window, else B // 8
+    window: int | None = None  # None: window_fraction * B, else the scorer's trained fraction of B, else B / 2
     window_fraction: float | None = None
     sinks: int = 4
     lam: float | None = None  # None: the scorer's trained lam, else 0
@@ -103,25 +102,29 @@ class AdaptConfig:
         return self.scorer_header().get("meta", {}).get("trained_for") or {}
 
     # --- derived ------------------------------------------------------------------------
+    def trained_settings(self) -> TrainedSettings | None:
+        """The starting scorer's trained settings (None without a scorer)."""
+        return TrainedSettings.from_meta(self._trained_for()) if self.scorer else None
+
     def window_for(self, budget: int) -> int:
         """The protected window at ``budget``: ``B - sinks`` for the streaming mask, else the
-        explicit window, the window fraction, the scorer's trained window, or ``B // 8``."""
+        explicit window, the window fraction, or what the one resolver gives (the scorer's trained
+        fraction of ``B``, else the library default)."""
         if self.mask == "streaming":
             return budget - self.sinks
         if self.window is not None:
             return int(self.window)
         if self.window_fraction is not None:
-            return max(1, round(self.window_fraction * budget))
-        window = trained_window(self._trained_for(), budget)
-        return max(1, budget // 8) if window is None else window
+            return default_window(budget, self.sinks, self.window_fraction)
+        return resolve_eviction(budget, sinks=self.sinks, lam=0.0, trained=self.trained_settings(), warn=False).window
 
     def lam_value(self) -> float:
         if self.mask == "streaming":
             return 0.0
         if self.lam is not None:
             return float(self.lam)
-        lam = self._trained_for().get("lam")
-        return 0.0 if lam is None else float(lam)
+        trained = self.trained_settings()
+        return 0.0 if trained is None else trained.lam
 
     def eviction(self, budget: int) -> EvictionConfig:
         return EvictionConfig.from_budget(budget, window=self.window_for(budget), sinks=self.sinks, lam=self.lam_value())

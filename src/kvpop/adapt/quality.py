@@ -24,9 +24,9 @@ import torch
 from ..adapters import load_adapter_bundle, read_bundle_meta
 from ..cache import make_cache
 from ..checkpoint import load_scorer
+from ..config import TrainedSettings, resolve_eviction
 from ..evaluate.core import Sums, hidden_states, sums_from_hidden
 from ..policies import LearnedPolicy
-from ..policies.learned import trained_window
 from ..train.data import SequenceSource
 from ..train.quality import VALIDATION_SEED
 from .config import AdaptConfig
@@ -121,11 +121,10 @@ class AdaptProbe:
 # --------------------------------------------------------------------------------------------
 
 
-def _window(tf: dict, budget: int, windows: dict | None) -> int:
+def _window(tf: dict, budget: int, sinks: int, windows: dict | None) -> int:
     if windows and budget in windows:
         return int(windows[budget])
-    window = trained_window(tf, budget)
-    return max(1, budget // 8) if window is None else window
+    return resolve_eviction(budget, sinks=sinks, lam=0.0, trained=TrainedSettings.from_meta(tf), warn=False).window
 
 
 class Comparison:
@@ -152,7 +151,7 @@ class Comparison:
             raise ValueError("give budgets (the bundle records none)")
         self.sinks = int(tf.get("sinks", 4) if sinks is None else sinks)
         self.lam = float(tf.get("lam") or 0.0) if lam is None else float(lam)
-        self.windows = {b: _window(tf, b, windows) for b in self.budgets}
+        self.windows = {b: _window(tf, b, self.sinks, windows) for b in self.budgets}
         self.base_model = base_model.eval()
         adapted = load_adapter_bundle(copy.deepcopy(base_model), bundle, merge=merge)
         if adapted.scorer is None:

@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", type=int,
                    help="one protected window for every policy (StreamingLLM: always the whole budget)")
     p.add_argument("--window-fraction", type=float,
-                   help="window = fraction * B for every window-based policy, the same for all (default 0.5); "
-                        "0 = each policy's own default (B // 8, a learned scorer's trained window)")
+                   help="window = fraction * B for every window-based policy, the same for all (default: each "
+                        "policy's own, as a cache resolves it: B / 2, or a learned scorer's trained fraction)")
     p.add_argument("--lam", type=float,
                    help="recency tilt r(t) + lam * t for every policy (default: a learned scorer's trained lam, else 0)")
     p.add_argument("--docs", type=int, help="documents per corpus / user source (default 2)")

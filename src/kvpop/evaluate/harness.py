@@ -67,10 +67,10 @@ class EvalConfig:
     reference_length: int = 4096
     sinks: int = 4
     window: int | None = None  # one protected window for every policy (overrides window_fraction)
-    # window = round(window_fraction * B) for every window-based policy at budget B, so heuristics, the
-    # oracle and the learned scorers are compared with the same window (StreamingLLM: the whole budget);
-    # None: each policy's own default (B // 8, or a learned scorer's trained window); recorded per unit
-    window_fraction: float | None = 0.5
+    # None (default): each policy's window from the one resolver (kvpop.config.resolve_eviction), as a user
+    # gets it: B / 2 for the heuristics and the oracle, a learned scorer's trained fraction of B (StreamingLLM:
+    # the whole budget); a number: window = round(window_fraction * B) for every window-based policy
+    window_fraction: float | None = None
     lam: float | None = None  # recency tilt for every policy (None: a learned scorer's trained lam, else 0)
     docs: int = 2  # documents per corpus (or per user source)
     doc_tokens: int = 4096  # lm documents; continuation = their last continuation_tokens predictions

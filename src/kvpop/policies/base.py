@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ..config import TrainedSettings
+
 
 @dataclass
 class ExitBatch:
@@ -83,6 +85,9 @@ class Policy:
     obs_window: int | None = None  # None: every query that had the token in its window
     uses_long_range: bool = True
     stateful: bool = False
+    # what a learned scorer was trained for (window fraction, budget range, lam); None: the library
+    # defaults. Caches resolve their window and lam from it (kvpop.config.resolve_eviction).
+    trained: TrainedSettings | None = None
 
     def validate(self, config, eviction) -> None:
         """Refuse a model ``config`` / ``EvictionConfig`` this policy cannot serve. Must not mutate the policy."""
@@ -94,14 +99,6 @@ class Policy:
     def observation_windows(self, window: int) -> tuple[int, ...]:
         """The statistics ``ExitBatch.attention`` carries (last dim), for a cache with this window."""
         return (self.observation_window(window),)
-
-    def default_window(self, budget: int) -> int | None:
-        """The protected window this policy prefers at ``budget`` (None: the library default, ``B // 8``)."""
-        return None
-
-    def default_lam(self) -> float | None:
-        """The recency tilt this policy prefers (None: 0)."""
-        return None
 
     def init_state(self, batch: int, num_kv_heads: int, layer_idx: int, device: torch.device) -> State:
         """A fresh per-sequence state of one layer (held by the cache layer, not by the policy)."""

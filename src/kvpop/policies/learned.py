@@ -14,28 +14,17 @@ a model config it was not trained for (:meth:`LearnedPolicy.validate`, called by
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 
 import torch
 
-from ..config import attention_shape
+from ..config import TrainedSettings, attention_shape
 from ..scorers import ScorerStack
 from .base import ExitBatch, Policy
 
 KIND_TO_POLICY = {"mlstm": "kvpop", "mlp": "kvpop-mlp"}
-
-
-def trained_window(trained_for: dict, budget: int) -> int | None:
-    """The window a checkpoint's ``trained_for`` metadata implies at ``budget``: the trained window
-    at that budget, else its window fraction, else its single window; None if it records none."""
-    windows = trained_for.get("windows") or {}
-    if str(budget) in windows:
-        return int(windows[str(budget)])
-    if trained_for.get("window_fraction"):
-        return max(1, round(float(trained_for["window_fraction"]) * budget))
-    if trained_for.get("window") is not None:
-        return int(trained_for["window"])
-    return None
 
 
 class LearnedPolicy(Policy):
@@ -44,7 +33,7 @@ class LearnedPolicy(Policy):
     def __init__(self, scorer: ScorerStack, name: str | None = None, fingerprint: dict | None = None,
                  source: str | None = None, trained_for: dict | None = None) -> None:  # fmt: skip
         self.scorer = scorer.eval()
-        self.trained_for = trained_for or {}  # checkpoint metadata: budgets, window (fraction), lam
+        self.trained = TrainedSettings.from_meta(trained_for)  # checkpoint metadata: budget range, window fraction, lam
         self.name = name or KIND_TO_POLICY[scorer.config.kind]
         self.stateful = bool(scorer.is_stateful)
         self.needs_attention = bool(scorer.config.observed)  # the scorer reads observed attention
@@ -62,30 +51,6 @@ class LearnedPolicy(Policy):
                 f"scorer {self.source} was built for {cfg.num_layers} layers x {cfg.kv_heads} KV heads x head_dim "
                 f"{cfg.head_dim}; this model has {shape.num_layers} x {shape.kv_heads} x {shape.head_dim}"
             )
-
-    def default_window(self, budget: int) -> int | None:
-        """The window the scorer was trained with at this budget (its window fraction at other budgets)."""
-        return trained_window(self.trained_for, budget)
-
-    def default_lam(self) -> float | None:
-        lam = self.trained_for.get("lam")
-        return None if lam is None else float(lam)
-
-    def check_settings(self, eviction) -> str | None:
-        """A warning text when ``eviction`` differs from what the scorer was trained for, else None."""
-        if not self.trained_for:
-            return None
-        problems = []
-        want = self.default_window(eviction.budget)
-        if want is not None and abs(eviction.window - want) > max(1, 0.1 * want):
-            problems.append(f"window {eviction.window} (trained: {want} at B={eviction.budget})")
-        lam = self.default_lam()
-        if lam is not None and abs(eviction.lam - lam) > 1e-12:
-            problems.append(f"lam {eviction.lam} (trained: {lam})")
-        if not problems:
-            return None
-        return (f"scorer {self.source} was not trained for " + " and ".join(problems)
-                + "; its decisions may be worse than with the trained settings (leave window/lam unset to use them)")
 
     def observation_windows(self, window: int) -> tuple[int, ...]:
         return tuple(window if o is None else min(o, window) for o in self.scorer.config.observed)
@@ -155,24 +120,72 @@ class LearnedPolicy(Policy):
         return f"LearnedPolicy({self.name}, {os.path.basename(self.source)})"
 
 
+ADAPTER_ATTR = "kvpop_adapter"  # config attribute set by load_model(adapter=...): the bundle's folder
+
+
+@functools.lru_cache(maxsize=8)
+def _bundle_scorer(folder: str, mtime_ns: int):
+    """The scorer of an adapter bundle folder and its ``trained_for`` (read once per file version)."""
+    from ..adapters import read_bundle_meta
+    from ..checkpoint import load_scorer
+
+    header = read_bundle_meta(folder)
+    if not header.get("scorer"):
+        return None, None
+    scorer, _ = load_scorer(Path(folder) / header["scorer"])
+    return scorer, (header.get("meta") or {}).get("trained_for")
+
+
+def adapter_scorer(model=None, config=None):
+    """``(folder, scorer, trained_for)`` of the adapter bundle a model was loaded with
+    (``load_model(adapter=...)``), found through the model or through its config; None without one
+    (or when the bundle has no scorer)."""
+    info = getattr(model, ADAPTER_ATTR, None)
+    if info is not None:
+        if info.scorer is None:
+            return None
+        return str(info.path), info.scorer, (info.meta.get("meta") or {}).get("trained_for")
+    if config is None and model is not None:
+        config = getattr(model, "config", None)
+    folder = getattr(config, ADAPTER_ATTR, None) if config is not None else None
+    if not folder:
+        return None
+    meta_file = Path(folder) / "kvpop_adapter.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"this model's config names adapter bundle {folder} ({ADAPTER_ATTR}), which is gone")
+    scorer, trained = _bundle_scorer(str(folder), meta_file.stat().st_mtime_ns)
+    return None if scorer is None else (str(folder), scorer, trained)
+
+
 def learned_policy_factory(kind: str):
     """Factory registered as ``kvpop`` / ``kvpop-mlp``: a given scorer, a checkpoint path, the scorer
-    of the adapter bundle ``model`` was loaded with (``load_model(adapter=...)``), or the shipped one.
+    of the adapter bundle the model was loaded with, or the shipped one.
+
+    One rule for adapted models: on a model loaded with ``load_model(adapter=...)`` the learned
+    policy uses the bundle's scorer, whether the cache is built from the model (``make_cache``)
+    or from its config (``KVpopCache(model.config)``: the config names the bundle). A bundle whose
+    scorer is of the other kind is an error naming the policy that serves it; ``path=`` or
+    ``scorer=`` choose another scorer explicitly.
 
     ``model=``: also check the checkpoint's weight hash against it (the config part is checked
     by every cache the policy is used in).
     """
 
-    def make(scorer: ScorerStack | None = None, path=None, model=None) -> LearnedPolicy:
+    def make(scorer: ScorerStack | None = None, path=None, model=None, config=None) -> LearnedPolicy:
         from ..checkpoint import default_scorer_path, load_scorer
 
         fingerprint = source = trained = None
-        bundled = getattr(getattr(model, "kvpop_adapter", None), "scorer", None)
-        if scorer is None and path is None and bundled is not None and bundled.config.kind == kind:
-            # a model loaded with an adapter bundle: the scorer trained with that adapter
-            info = model.kvpop_adapter
-            return LearnedPolicy(bundled, source=f"{info.path} (adapter bundle)",
-                                 trained_for=(info.meta.get("meta") or {}).get("trained_for"))  # fmt: skip
+        if scorer is None and path is None:
+            bundle = adapter_scorer(model, config)
+            if bundle is not None:
+                folder, bundled, trained = bundle
+                if bundled.config.kind != kind:
+                    raise ValueError(
+                        f"this model was loaded with adapter bundle {folder}, whose scorer is a "
+                        f"{bundled.config.kind} (policy {KIND_TO_POLICY[bundled.config.kind]!r}); use that policy, "
+                        f"or pass path= a {kind} scorer for policy {KIND_TO_POLICY[kind]!r}"
+                    )
+                return LearnedPolicy(bundled, source=f"{folder} (adapter bundle)", trained_for=trained)
         if scorer is None:
             path = path or default_scorer_path(kind)
             scorer, meta = load_scorer(path, model=model)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import asdict, dataclass, field, fields
 
-from ..config import EvictionConfig
+from ..config import EvictionConfig, default_window
 
 # Held out of training so the out-of-domain columns of the evaluation stay honest: one prose
 # corpus (Paul Graham's essays) and one code corpus (the CPython standard library).
@@ -13,7 +14,7 @@ HELD_OUT = ("paul_graham", "python_code")
 TRAIN_CORPORA = ("shakespeare", "wikipedia", "python_docs", "human_eval", "perl_docs", "git_docs")
 
 # Fields that change what a checkpoint means: a resumed run must agree on them.
-RESUME_KEYS = ("scorer", "seq_len", "budgets", "window", "window_fraction", "sinks", "lam", "loss", "weighting",
+RESUME_KEYS = ("scorer", "seq_len", "budgets", "budget_range", "windows_per_octave", "window", "window_fraction", "sinks", "lam", "loss", "weighting",
                "lr", "hidden", "dk", "dv", "position_free", "observed", "tilt", "corpora", "docs_from", "seed",
                "steps", "batch_size", "cycle")
 
@@ -31,6 +32,11 @@ class TrainConfig:
     batch_size: int = 1  # sequences per step, over all ranks
     budgets: tuple[int, ...] = (512,)  # one is drawn per step: one scorer can serve several budgets
     budget: int | None = None  # shorthand for budgets=(budget,)
+    # (lo, hi): draw B log-uniformly from [lo, hi] at every step instead (one scorer for every budget in
+    # between); the step's window is the captured window nearest window_fraction * B (see window_grid)
+    budget_range: tuple[int, int] | None = None
+    windows_per_octave: int = 2  # budget_range runs: target windows captured per doubling of the window
+    val_budgets: tuple[int, ...] = ()  # budgets of the validation probe (default: the budgets, or 3 over the range)
     window: int | None = None  # protected window; None: window_fraction * budget
     window_fraction: float = 0.5
     sinks: int = 4
@@ -66,26 +72,83 @@ class TrainConfig:
             self.budgets = (int(self.budget),)
             self.budget = None
         self.budgets = tuple(int(b) for b in self.budgets)
+        if self.budget_range is not None:
+            self.budget_range = (int(self.budget_range[0]), int(self.budget_range[1]))
+        self.val_budgets = tuple(int(b) for b in self.val_budgets)
         self.corpora = tuple(self.corpora)
         self.observed = tuple(None if o is None else int(o) for o in self.observed)
         self.extra_windows = tuple(int(w) for w in self.extra_windows)
 
     # --- derived ------------------------------------------------------------------------
     def window_for(self, budget: int) -> int:
+        """The window at ``budget`` as inference resolves it (the trained fraction of ``B``)."""
         if self.window is not None:
             return int(self.window)
-        return max(1, round(self.window_fraction * budget))
+        return default_window(budget, self.sinks, self.window_fraction)
 
     def eviction(self, budget: int) -> EvictionConfig:
         return EvictionConfig.from_budget(budget, window=self.window_for(budget), sinks=self.sinks, lam=self.lam)
 
+    def window_grid(self) -> tuple[int, ...]:
+        """The windows a budget-range run trains at: ``windows_per_octave`` per doubling, log-spaced from
+        the window of the smallest budget to that of the largest (``budgets`` runs: their own windows)."""
+        if self.budget_range is None or self.window is not None:
+            return tuple(sorted({self.window_for(b) for b in self.budgets}))
+        lo, hi = (self.window_for(b) for b in self.budget_range)
+        n = max(1, round(math.log2(hi / lo) * self.windows_per_octave))
+        return tuple(sorted({round(lo * (hi / lo) ** (i / n)) for i in range(n + 1)}))
+
     def windows(self) -> tuple[int, ...]:
         """Every protected window the run trains at (the capture computes targets for each)."""
-        return tuple(sorted({self.window_for(b) for b in self.budgets}))
+        return self.window_grid()
 
     def capture_windows(self) -> tuple[int, ...]:
         """The windows a capture records: the run's own and ``extra_windows``."""
         return tuple(sorted(set(self.windows()) | set(self.extra_windows)))
+
+    def step_eviction(self, step: int) -> EvictionConfig:
+        """The budget and split of training step ``step`` (deterministic per seed and step).
+
+        ``budgets``: one of them. ``budget_range``: ``B`` log-uniform in the range and the window of
+        the grid nearest ``window_fraction * B`` (in log scale: within a factor
+        ``2 ** (1 / (2 * windows_per_octave))``), so every budget in the range is trained at a
+        window close to the one inference uses."""
+        rng = random.Random(self.seed * 100003 + step)
+        if self.budget_range is None:
+            return self.eviction(rng.choice(self.budgets))
+        lo, hi = self.budget_range
+        return self.grid_eviction(round(lo * (hi / lo) ** rng.random()))
+
+    def grid_eviction(self, budget: int) -> EvictionConfig:
+        """``budget`` with the captured window nearest the one inference uses (the targets exist for it)."""
+        want = self.window_for(budget)
+        window = min(self.window_grid(), key=lambda w: abs(math.log(w / want)))
+        return EvictionConfig.from_budget(budget, window=window, sinks=self.sinks, lam=self.lam)
+
+    def validation_budgets(self) -> tuple[int, ...]:
+        """Budgets the validation probe measures: ``val_budgets``, else the training budgets, else three
+        spanning the range (twice its low end, its geometric middle, half its high end)."""
+        if self.val_budgets:
+            return self.val_budgets
+        if self.budget_range is None:
+            return self.budgets
+        lo, hi = self.budget_range
+        picks = (min(hi, 2 * lo), round(math.sqrt(lo * hi)), max(lo, hi // 2))
+        return tuple(sorted(set(picks)))
+
+    def trained_settings(self) -> dict:
+        """The checkpoint's ``trained_for``: what caches default to (``kvpop.config.TrainedSettings``)."""
+        lo_hi = self.budget_range or (min(self.budgets), max(self.budgets))
+        return {
+            "budget_range": list(lo_hi),
+            "window_fraction": None if self.window is not None else self.window_fraction,
+            "window": self.window,
+            "lam": self.lam,
+            "budgets": list(self.budgets) if self.budget_range is None else None,
+            "window_grid": list(self.window_grid()),
+            "sinks": self.sinks,
+            "seq_len": self.seq_len,
+        }
 
     def resume_view(self) -> dict:
         d = asdict(self)
@@ -102,7 +165,13 @@ class TrainConfig:
             raise ValueError("give at least one budget")
         if not (0.0 < self.window_fraction < 1.0):
             raise ValueError(f"window_fraction must be in (0, 1), got {self.window_fraction}")
-        for b in self.budgets:
+        if self.budget_range is not None:
+            lo, hi = self.budget_range
+            if not (1 <= lo <= hi):
+                raise ValueError(f"budget_range must be (lo, hi) with 1 <= lo <= hi, got {self.budget_range}")
+            if self.windows_per_octave < 1:
+                raise ValueError(f"windows_per_octave must be >= 1, got {self.windows_per_octave}")
+        for b in (self.budget_range or self.budgets):
             ev = self.eviction(b)  # raises for a budget below sinks + window
             if ev.k < 1:
                 raise ValueError(f"budget {b} leaves no long-range slot (sinks {ev.sinks} + window {ev.window})")

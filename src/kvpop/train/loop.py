@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import asdict
@@ -76,16 +75,9 @@ def _state_path(out: Path) -> Path:
 
 
 def trained_for(cfg: TrainConfig) -> dict:
-    """What the checkpoint's metadata says the scorer was trained for (caches default to it)."""
-    return {
-        "budgets": list(cfg.budgets),
-        "window": cfg.window,
-        "window_fraction": None if cfg.window is not None else cfg.window_fraction,
-        "windows": {str(b): cfg.window_for(b) for b in cfg.budgets},
-        "sinks": cfg.sinks,
-        "lam": cfg.lam,
-        "seq_len": cfg.seq_len,
-    }
+    """What the checkpoint's metadata says the scorer was trained for; caches default to it
+    (``kvpop.config.TrainedSettings.from_meta`` reads it, ``resolve_eviction`` applies it)."""
+    return cfg.trained_settings()
 
 
 def _resume_mismatch(saved: dict, cfg: TrainConfig) -> list[str]:
@@ -159,9 +151,8 @@ def train(cfg: TrainConfig, model=None, tokenizer=None) -> dict:
         seqs = [j % cfg.cycle if cfg.cycle else j for j in range(j0, j0 + per_rank)]
         ex = Example.cat([example_for(j, source, store, model, cfg) for j in seqs]).float(device)
         t_capture += time.perf_counter() - t0
-        budget = random.Random(cfg.seed * 100003 + step).choice(cfg.budgets)
-        ev = cfg.eviction(budget)
-        w = ev.window
+        ev = cfg.step_eviction(step)
+        budget, w = ev.budget, ev.window
         lab = labels_for(ex.targets[w].cpu(), w, ev.k, ev.sinks, ev.lam)
         if device.type != "cpu":
             lab = type(lab)(*(t.to(device) for t in (lab.t_new, lab.t_bnd, lab.y, lab.valid)))
@@ -188,14 +179,14 @@ def train(cfg: TrainConfig, model=None, tokenizer=None) -> dict:
         record = {"step": step, "loss": loss.item(), "lr": sched.get_last_lr()[0], "budget": budget,
                   "corpora": ex.corpora}  # fmt: skip
         if rank == 0 and probe is not None and (step % cfg.val_every == 0 or step == cfg.steps):
-            q = probe(scorer, cfg.budgets)
+            q = probe(scorer, cfg.validation_budgets())
             record["val"] = q
             if q["mean_retention"] > best["mean_retention"]:
                 best = {"mean_retention": q["mean_retention"], "step": step}
                 _save(scorer, out / "best.safetensors", cfg, step, fingerprint, q)
             bar.write(f"[kvpop train] step {step}: validation retention " + ", ".join(
                 f"B={b} {q[str(b)]['retention']:.4f} (streaming {q[str(b)]['streaming']:.4f}, "
-                f"wins {q[str(b)]['wins_vs_streaming']}/{q[str(b)]['docs']})" for b in cfg.budgets))  # fmt: skip
+                f"wins {q[str(b)]['wins_vs_streaming']}/{q[str(b)]['docs']})" for b in cfg.validation_budgets()))  # fmt: skip
         history.append(record)
         bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{tokens / (time.perf_counter() - t_start):.0f}")
         bar.update(1)
@@ -224,8 +215,8 @@ def _decisions(scorer: ScorerStack, examples: list[Example], cfg: TrainConfig) -
     """Decision diagnostics on validation captures, per training budget (see ``labels.decision_metrics``)."""
     scorer.eval()
     out = {}
-    for b in cfg.budgets:
-        ev = cfg.eviction(b)
+    for b in cfg.validation_budgets():
+        ev = cfg.grid_eviction(b)
         w = ev.window
         ex = Example.cat([e.float() for e in examples])
         lab = labels_for(ex.targets[w], w, ev.k, ev.sinks, ev.lam)
