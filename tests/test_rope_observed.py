@@ -57,3 +57,17 @@ def test_observed_attention_rejects_bad_windows():
         observed_attention(q, k, 0, 1)
     with pytest.raises(ValueError, match="observation windows"):
         observed_attention(q, k, 3, 1, (0,))
+
+
+@pytest.mark.parametrize("windows,sinks,block", [((3, 5, 11), 2, 4), ((1, 8, 64), 0, 16), ((4, 6), 4, 7)])
+def test_observed_attention_for_several_windows_equals_reference(windows, sinks, block):
+    """One pass over the queries serves every window (the capture records one per window of the grid)."""
+    from kvpop.observed import observed_attention_windows
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 6, 41, 8, generator=g)
+    k = torch.randn(2, 3, 41, 8, generator=g)
+    obs = (None, 2, 1)
+    got = observed_attention_windows(q, k, windows, sinks, obs, block=block)
+    for w in windows:
+        torch.testing.assert_close(got[w], observed_attention_reference(q, k, w, sinks, obs), rtol=1e-5, atol=1e-6)

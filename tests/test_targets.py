@@ -254,3 +254,21 @@ def test_bench_worker_in_process():
     assert all(len(v["times_s"]) == 2 and v["time_s"] > 0 for v in timed.values())
     rows = [{"S": 96, "method": m, **v, "peak_extra_bytes": 0} for m, v in timed.items()]
     assert "fused" in _format_rows(rows + [{"S": 96, "method": "x", "skipped": "why"}])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("method", ["blocked", "fused"])
+@pytest.mark.parametrize("windows,S,G,block", [((3, 5, 9, 40), 120, 2, 16), ((1, 64, 91, 128), 513, 3, 100),
+                                                ((7, 200), 230, 1, 64), ((12,), 50, 2, 8)])
+def test_several_windows_at_once_equal_one_window_at_a_time(windows, S, G, block, dtype, method):
+    """The capture's fast path (one far pass + one band pass for every window) against one
+    future_attention call per window, -inf pattern included (windows near S leave few keys)."""
+    from kvpop.targets import future_attention_windows
+
+    q, k = _qk(2, 2, G, S, dtype=dtype, seed=S)
+    got = future_attention_windows(q, k, windows, method=method, block=block)
+    assert sorted(got) == sorted(set(windows))
+    atol = 2e-5 if dtype == torch.float32 else 1e-10
+    for w in windows:
+        assert got[w].dtype == dtype and got[w].shape == (2, 2, S)
+        _check(got[w], future_attention(q, k, w, method="dense"), atol=atol)

@@ -2,6 +2,7 @@
 the capture store is reused, DDP ranks stay identical, the loss and labels mean what they say."""
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -238,3 +239,70 @@ def test_noisy_oracle_places_learned_scorers_on_the_same_documents(tmp_path, doc
     assert -1 <= s["rank_correlation"] < 0.99 and 0 < s["retention"] <= 1.2 and len(s["per_doc"]) == 2
     plot_noisy_oracle(res, tmp_path / "n.png", {"s": (s["rank_correlation"], s["retention"])})
     assert (tmp_path / "n.png").stat().st_size > 0
+
+
+def test_budget_range_draws_log_uniform_budgets_at_the_nearest_captured_window():
+    cfg = TrainConfig(budget_range=(128, 2048), window_fraction=0.5, windows_per_octave=2, seq_len=8192)
+    cfg.validate()
+    assert cfg.window_grid() == (64, 91, 128, 181, 256, 362, 512, 724, 1024)
+    assert cfg.capture_windows() == cfg.window_grid() and cfg.validation_budgets() == (256, 512, 1024)
+    evs = [cfg.step_eviction(s) for s in range(400)]
+    budgets = sorted(e.budget for e in evs)
+    assert budgets[0] >= 128 and budgets[-1] <= 2048 and 380 < budgets[200] < 690  # log-uniform: median ~512
+    for e in evs:
+        assert e.window in cfg.window_grid() and e.budget == e.sinks + e.window + e.k
+        assert abs(math.log2(e.window / (e.budget / 2))) <= 0.27  # within ~2 ** (1/4) of B / 2 (integer rounding)
+    assert [cfg.step_eviction(s) for s in range(5)] == evs[:5]  # deterministic per step (resume)
+    tf = cfg.trained_settings()
+    assert tf["budget_range"] == [128, 2048] and tf["window_fraction"] == 0.5 and tf["budgets"] is None
+
+
+def test_budget_range_run_serves_every_budget_in_its_range(tmp_path, docs):
+    """A scorer trained over a budget range defaults to its trained fraction at any budget inside it
+    (no warning) and warns outside, naming the range (issue #23)."""
+    import warnings
+
+    from kvpop import KVpopCache
+    from kvpop.config import ScorerSettingsWarning
+    from kvpop.policies import LearnedPolicy
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    summary = train(_cfg(tmp_path, docs, scorer="mlp", steps=6, budget_range=(12, 48), window=None,
+                         val_every=6), model, tok)  # fmt: skip
+    assert {h["budget"] for h in summary["history"]} <= set(range(12, 49))
+    assert len({h["budget"] for h in summary["history"]}) > 1
+    scorer, meta = load_scorer(tmp_path / "scorer.safetensors", model=model)
+    pol = LearnedPolicy(scorer, trained_for=meta["trained_for"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScorerSettingsWarning)
+        for budget in (12, 30, 48):
+            assert KVpopCache(model.config, budget=budget, policy=pol).eviction.window == round(budget / 2)
+    with pytest.warns(ScorerSettingsWarning, match="trained over budgets 12..48"):
+        KVpopCache(model.config, budget=60, policy=pol)
+    val = [h["val"] for h in summary["history"] if "val" in h][-1]
+    assert {"retention", "continuation", "streaming", "continuation_wins_vs_streaming"} <= set(val["24"])
+
+
+def test_windows_per_sequence_keeps_a_smaller_store_and_budgets_follow_the_windows(tmp_path, docs):
+    """--windows-per-sequence: each stored sequence carries the targets of a few windows of the grid
+    (rotating, so the grid is covered), and a step draws a budget whose window its sequence has."""
+    from safetensors import safe_open
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    kw = {"budget_range": (12, 48), "window": None, "windows_per_sequence": 2, "val_docs": 0}
+    cfg = _cfg(tmp_path / "cap", docs, store=str(tmp_path / "store"), capture_only=True, steps=5, **kw)
+    assert cfg.window_grid() == (6, 8, 12, 17, 24)
+    seq_windows = [cfg.sequence_windows(j) for j in range(5)]
+    assert all(len(w) == 2 for w in seq_windows) and set().union(*seq_windows) == set(cfg.window_grid())
+    train(cfg, model, tok)
+    for j in range(5):
+        with safe_open(str(tmp_path / "store" / f"seq_{j:06d}.safetensors"), framework="pt") as f:
+            assert {k for k in f.keys() if k.startswith("target_")} == {f"target_{w}" for w in seq_windows[j]}  # noqa: SIM118
+    run = _cfg(tmp_path / "run", docs, scorer="mlp", store=str(tmp_path / "store"), steps=5, **kw)
+    summary = train(run, model, tok)
+    for h in summary["history"]:
+        ev = run.grid_eviction(h["budget"])
+        assert ev.window in seq_windows[h["step"] - 1] and 12 <= h["budget"] <= 48
+    with pytest.raises(ValueError, match="windows per sequence"):  # a run that wants every window is refused
+        train(_cfg(tmp_path / "all", docs, scorer="mlp", store=str(tmp_path / "store"), steps=1,
+                   **{**kw, "windows_per_sequence": 0}), model, tok)  # fmt: skip

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .observed import observed_attention
-from .targets import fused_available, future_attention
+from .observed import observed_attention_windows
+from .targets import fused_available, future_attention, future_attention_windows
 
 __all__ = ["ATTN_NAME", "CaptureState", "LayerCapture", "capturing", "collect"]
 
@@ -218,17 +218,20 @@ def _capture_attention(
     observed: dict[int, Tensor] = {}
     with torch.no_grad():
         q, k = query.detach(), key.detach()
-        target = _target(state, q, k, scale, lse) if state.window is not None else None
-        if target is not None:
-            targets[state.window] = target
-        for w in state.extra_windows:
-            if w not in targets:
-                targets[w] = _target(state, q, k, scale, lse, window=w)
+        windows = ([state.window] if state.window is not None else []) + list(state.extra_windows)
+        if state.attention_mask is None and len(set(windows)) > 1 and max(windows) < S:
+            # every window in about the time of one (kvpop.targets.future_attention_windows)
+            targets = future_attention_windows(q, k, windows, scale=scale, lse=lse, method=state.method)
+        else:
+            for w in windows:
+                if w not in targets:
+                    targets[w] = _target(state, q, k, scale, lse, window=w)
+        target = targets.get(state.window) if state.window is not None else None
         if state.observed_windows:
             if state.attention_mask is not None:
                 raise ValueError("observed-attention statistics need unpadded rows")
-            for w in state.observed_windows:
-                observed[w] = observed_attention(q, k, w, state.sinks, state.obs_windows, scale=scale)
+            observed = observed_attention_windows(q, k, state.observed_windows, state.sinks, state.obs_windows,
+                                                  scale=scale)  # fmt: skip
     state.captures[idx] = LayerCapture(
         layer=idx,
         keys=key.detach(),

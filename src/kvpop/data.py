@@ -661,3 +661,31 @@ def training_windows(
             if ids is None:
                 raise ValueError(f"corpus {c!r} has no {split} window of {seq_len} tokens") from None
         yield c, ids
+
+
+def round_robin_windows(
+    tokenizer: Any,
+    corpora: Sequence[str],
+    seq_len: int,
+    n: int,
+    split: str = "validation",
+    seed: int = 0,
+    root: dict[str, str] | None = None,
+) -> list[tuple[str, torch.Tensor]]:
+    """``n`` distinct ``(corpus, ids)`` windows of ``seq_len`` tokens, taken from the corpora in turn
+    (one shuffled pass of each, as :func:`training_windows` cuts them); a corpus without more windows
+    drops out, so fewer than ``n`` come back only when every corpus ran out. Validation sets built
+    this way weigh the corpora evenly instead of by size."""
+    streams = {c: _windows_of(tokenizer, c, seq_len, split, random.Random(f"{seed}:{c}:rr"), (root or {}).get(c))
+               for c in dict.fromkeys(corpora)}  # fmt: skip
+    out: list[tuple[str, torch.Tensor]] = []
+    while len(out) < n and streams:
+        for c in list(streams):
+            if len(out) >= n:
+                break
+            ids = next(streams[c], None)
+            if ids is None:
+                del streams[c]
+            else:
+                out.append((c, ids))
+    return out

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["observed_attention", "observed_attention_reference", "observed_counts", "observed_features"]
+__all__ = ["observed_attention", "observed_attention_reference", "observed_attention_windows", "observed_counts",
+           "observed_features"]
 
 
 def _windows(window: int, obs_windows: Sequence[int | None]) -> list[int]:
@@ -59,31 +60,73 @@ def observed_attention(
     ``query [b, q_heads, S, d]``, ``key [b, kv_heads, S, d]`` post-RoPE, one unpadded sequence per
     row. Sink keys (``t < sinks``) get 0: they never leave, nothing scores them.
     """
-    obs = _windows(window, obs_windows)
+    return observed_attention_windows(query, key, [window], sinks, obs_windows, scale=scale, block=block)[window]
+
+
+@torch.no_grad()
+def observed_attention_windows(
+    query: Tensor,
+    key: Tensor,
+    windows: Sequence[int],
+    sinks: int,
+    obs_windows: Sequence[int | None] = (None,),
+    scale: float | None = None,
+    block: int = 128,
+) -> dict[int, Tensor]:
+    """:func:`observed_attention` for several protected windows, ``{window: statistics}``, block by
+    block over the queries in ``O(S * (max window + block))`` memory.
+
+    Each query block is exponentiated once against its sinks and the keys of the largest window,
+    and laid out by age (``[query, d - t]``). A window's softmax differs from another's only by its
+    normaliser ``Z_w(d)`` (the sinks + the keys younger than ``w``): one cumulative sum over the
+    ages gives every window's. Observation window ``o`` of window ``w`` is then the slice of ages
+    ``w - o .. w - 1``, weighted by ``1 / Z_w(d)`` and added to its keys ``t = d - age``.
+    """
+    ws = sorted({int(w) for w in windows})
+    obs = {w: _windows(w, obs_windows) for w in ws}
     b, hq, S, d = query.shape
     hk = key.shape[1]
     if hq % hk:
         raise ValueError(f"query heads ({hq}) must be a multiple of key heads ({hk})")
     g = hq // hk
     scale = d**-0.5 if scale is None else float(scale)
-    out = torch.zeros(b, hk, S, len(obs), dtype=torch.float32, device=query.device)
+    out = {w: torch.zeros(b, hk, S, len(obs[w]), dtype=torch.float32, device=query.device) for w in ws}
     qg = query.float().view(b, hk, g, S, d)
     kf = key.float()
     dev = query.device
     s = min(sinks, S)
+    w_max = ws[-1]
+    ages = torch.arange(w_max, device=dev)
     for a in range(0, S, block):
         e = min(S, a + block)
-        lo = max(s, a - window + 1)
-        kidx = torch.cat([torch.arange(s, device=dev), torch.arange(lo, e, device=dev)])
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, a:e], kf[:, :, kidx]) * scale
-        dq = torch.arange(a, e, device=dev).view(-1, 1)
-        kj = kidx.view(1, -1)
-        local = (kj <= dq) & ((kj < sinks) | (kj > dq - window))
-        p = torch.softmax(logits.masked_fill(~local, float("-inf")), -1).mean(2)  # [b, hk, q, k]
-        age = dq - kj
-        for i, o in enumerate(obs):
-            counted = local & (kj >= sinks) & (age >= window - o)
-            out[:, :, :, i].index_add_(2, kidx, (p * counted).sum(2))
+        bq = e - a
+        lo = max(s, a - w_max + 1)  # the non-sink keys any query of the block may see: lo .. e - 1
+        dq = torch.arange(a, e, device=dev)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, a:e],
+                              torch.cat([kf[:, :, :s], kf[:, :, lo:e]], 2)) * scale  # fmt: skip
+        n = e - lo
+        x = logits.new_full((b, hk, g, bq, 1 + n), float("-inf"))  # column 0: no key (its exp is 0)
+        x[..., 1:] = logits[..., s:]
+        age = dq.view(-1, 1) - torch.arange(lo, e, device=dev).view(1, -1)  # [bq, n]
+        x[..., 1:].masked_fill_((age < 0) | (age >= w_max), float("-inf"))
+        x_s = logits[..., :s].masked_fill(torch.arange(s, device=dev).view(1, -1) > dq.view(-1, 1), float("-inf"))
+        top = x.amax(-1, keepdim=True)
+        if s:
+            top = torch.maximum(top, x_s.amax(-1, keepdim=True))  # finite: every query sees itself
+        z_s = torch.exp(x_s - top).sum(-1)  # [b, hk, g, bq] (0 without sinks)
+        ex = torch.exp(x.sub_(top))
+        col = (dq.view(-1, 1) - ages.view(1, -1) - lo + 1).clamp_min(0)  # [bq, w_max]: key d - age, or none
+        by_age = ex.gather(-1, col.view(1, 1, 1, bq, w_max).expand(b, hk, g, bq, w_max))
+        z_all = by_age.cumsum(-1)  # sum over ages 0..a of every query's window keys
+        for w in ws:
+            r = 1.0 / ((z_s + z_all[..., w - 1]).clamp_min(1e-30) * g)  # window w's normaliser, mean over g
+            for i, o in enumerate(obs[w]):
+                part = (by_age[..., w - o : w] * r.unsqueeze(-1)).sum(2)  # [b, hk, bq, o]
+                t = (dq.view(-1, 1) - ages[w - o : w].view(1, -1)).clamp_min(0)  # its keys (none: part is 0)
+                out[w][:, :, :, i].index_add_(2, t.view(-1), part.reshape(b, hk, bq * o))
+    if s:
+        for w in ws:
+            out[w][:, :, :s] = 0  # sinks never leave: nothing scores them
     return out
 
 

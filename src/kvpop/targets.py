@@ -44,6 +44,7 @@ from torch import Tensor
 __all__ = [
     "METHODS",
     "future_attention",
+    "future_attention_windows",
     "loss_mask",
     "n_future",
     "row_lse",
@@ -191,6 +192,11 @@ def _row_lse_blocked(q: Tensor, k: Tensor, scale: float, block: int) -> Tensor:
 
 
 def _blocked(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, block: int) -> Tensor:
+    return _finish(_blocked_raw(q, k, window, scale, lse, block), q.shape[2], window, k.shape[1])
+
+
+def _blocked_raw(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, block: int) -> Tensor:
+    """``log sum_{d >= t + w} p[g, d, t]`` per query head ``[B, Hq, S]`` (-inf where empty)."""
     B, Hq, S, _D = q.shape
     Hk = k.shape[1]
     G = Hq // Hk
@@ -216,7 +222,7 @@ def _blocked(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None
         d_idx = torch.arange(dstart, S, device=q.device)[None, :]
         logits.masked_fill_(d_idx < t_idx + window, -math.inf)
         outg[..., t0:t1] = torch.logsumexp(logits, dim=-1)
-    return _finish(out, S, window, Hk)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,6 +274,11 @@ def row_lse(q: Tensor, k: Tensor, *, scale: float | None = None, block: int = 10
 
 
 def _fused(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None) -> Tensor:
+    return _finish(_fused_raw(q, k, window, scale, lse), q.shape[2], window, k.shape[1])
+
+
+def _fused_raw(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None) -> Tensor:
+    """:func:`_blocked_raw` by the CPU flash kernel on the reversed sequence (see the module doc)."""
     B, Hq, S, D = q.shape
     Hk = k.shape[1]
     dt = q.dtype
@@ -307,7 +318,7 @@ def _fused(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None) 
     lse_t = lse_t.reshape(B, Hq, L).to(_out_dtype(dt)).flip(-1)  # back to t = 0 .. S-1-w
     full = torch.full((B, Hq, S), -math.inf, dtype=lse_t.dtype, device=q.device)
     full[..., :L] = lse_t
-    return _finish(full, S, window, Hk)
+    return full
 
 
 # --------------------------------------------------------------------------------------------
@@ -473,3 +484,87 @@ def future_attention(
         if m == "fused":
             return _fused(q, k, window, scale, lse)
         return _flex(q, k, window, scale, lse, compile=True)
+
+
+# --------------------------------------------------------------------------------------------
+# several windows at once (a training capture records one target per window of the grid)
+# --------------------------------------------------------------------------------------------
+
+
+def _band_suffix_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, windows: list[int], block: int) -> Tensor:
+    """``log sum_{d : w_i <= d - t < w_max} p[g, d, t]`` for each window ``w_i`` but the largest:
+    ``[n - 1, B, Hq, S]`` (-inf where empty).
+
+    One pass over the band ``w_min <= d - t < w_max``, key block by key block: the band's
+    probabilities, shifted by their row maximum, are summed from the far end (a reverse cumulative
+    sum over the queries), and the sum starting at ``d = t + w_i`` is read for every window. No
+    differences are taken, so small sums keep their precision.
+    """
+    B, Hq, S, _D = q.shape
+    Hk = k.shape[1]
+    G = Hq // Hk
+    cdt = _out_dtype(q.dtype)
+    qg = _grouped(q.to(cdt), Hk)
+    kc = k.to(cdt)
+    lseg = lse.to(cdt).view(B, Hk, G, S)
+    w_min, w_max = windows[0], windows[-1]
+    offs = torch.tensor([w - w_min for w in windows[:-1]], device=q.device)
+    out = torch.full((len(windows) - 1, B, Hk, G, S), -math.inf, dtype=cdt, device=q.device)
+    for t0 in range(0, max(0, S - w_min), block):
+        t1 = min(S - w_min, t0 + block)
+        d0, d1 = t0 + w_min, min(S, t1 - 1 + w_max)
+        nd = d1 - d0
+        x = torch.matmul(kc[:, :, None, t0:t1], qg[:, :, :, d0:d1].transpose(-1, -2)) * scale  # [B, Hk, G, bt, nd]
+        x -= lseg[:, :, :, None, d0:d1]
+        age = torch.arange(d0, d1, device=q.device)[None, :] - torch.arange(t0, t1, device=q.device)[:, None]
+        x.masked_fill_((age < w_min) | (age >= w_max), -math.inf)
+        top = x.amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        suffix = torch.exp(x - top).flip(-1).cumsum(-1).flip(-1)  # sum over d' >= d of the band
+        col = torch.arange(t1 - t0, device=q.device)[:, None] + offs[None, :]  # [bt, n-1]: d = t + w_i
+        got = suffix.gather(-1, col.clamp(max=nd - 1).expand(B, Hk, G, t1 - t0, len(offs)))
+        got = torch.where(col < nd, got, torch.zeros_like(got)).log() + top
+        out[..., t0:t1] = got.permute(4, 0, 1, 2, 3)
+    return out.view(len(windows) - 1, B, Hq, S)
+
+
+def future_attention_windows(
+    q: Tensor,
+    k: Tensor,
+    windows,
+    *,
+    scale: float | None = None,
+    lse: Tensor | None = None,
+    method: str = "auto",
+    block: int = 128,
+) -> dict[int, Tensor]:
+    """:func:`future_attention` for several windows, ``{window: [batch, kv_heads, S]}``, in about the
+    time of one: the transposed pass of the largest window covers ``d - t >= w_max`` for all of them,
+    and one pass over the band between the smallest and the largest window adds each window's part
+    (:func:`_band_suffix_lse`). Equal to one :func:`future_attention` call per window (tested).
+
+    On CUDA (flex) and for ``method="dense"`` it calls :func:`future_attention` per window.
+    """
+    ws = sorted({int(w) for w in windows})
+    if not ws:
+        raise ValueError("give at least one window")
+    for w in ws:
+        _validate(q, k, w, lse, method)
+    D = q.shape[-1]
+    scale = D**-0.5 if scale is None else float(scale)
+    m = resolve_method(method, q.dtype, q.device)
+    if len(ws) == 1 or m in ("dense", "flex"):
+        return {w: future_attention(q, k, w, scale=scale, lse=lse, method=method) for w in ws}
+    if m == "fused" and not fused_available(q.dtype, q.device):
+        raise ValueError(f"method='fused' needs CPU tensors of dtype in {_FUSED_DTYPES}; got {q.dtype} on {q.device}")
+    with torch.no_grad():
+        if lse is None:
+            lse = row_lse(q, k, scale=scale)
+        far = (_fused_raw(q, k, ws[-1], scale, lse) if m == "fused"
+               else _blocked_raw(q, k, ws[-1], scale, lse, 1024))  # fmt: skip
+        band = _band_suffix_lse(q, k, lse, scale, ws, block)
+        S, Hk = q.shape[2], k.shape[1]
+        out = {ws[-1]: _finish(far, S, ws[-1], Hk)}
+        for i, w in enumerate(ws[:-1]):
+            out[w] = _finish(torch.logaddexp(far.to(band.dtype), band[i]), S, w, Hk)
+    return out

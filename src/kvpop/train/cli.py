@@ -16,6 +16,13 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
+def _range(text: str) -> tuple[int, int]:
+    lo_hi = _ints(text)
+    if len(lo_hi) != 2:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two budgets), got {text!r}")
+    return lo_hi
+
+
 def _observed(text: str) -> tuple[int | None, ...]:
     if text in ("", "none"):
         return ()
@@ -39,6 +46,17 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--budgets", type=_ints, default=d.budgets,
                    help="comma-separated budgets B; one is drawn per step (default 512)")  # fmt: skip
     p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
+    p.add_argument("--budget-range", type=_range, default=None, metavar="LO,HI",
+                   help="draw B log-uniformly from [LO, HI] at every step instead of --budgets (one scorer for every "
+                        "budget in between; the window is the captured one nearest --window-fraction of B)")  # fmt: skip
+    p.add_argument("--windows-per-octave", type=int, default=d.windows_per_octave,
+                   help="--budget-range: target windows captured per doubling of the window (default 2)")
+    p.add_argument("--windows-per-sequence", type=int, default=d.windows_per_sequence,
+                   help="--budget-range: targets for only this many windows of the grid per sequence (0: all); a "
+                        "smaller store, budgets still log-uniform over the sequences")
+    p.add_argument("--val-budgets", type=_ints, default=(),
+                   help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)")
+    p.add_argument("--val-seq-len", type=int, default=None, help="tokens per validation window (default --seq-len)")
     p.add_argument("--window", type=int, default=None, help="protected window (default: --window-fraction of B)")
     p.add_argument("--window-fraction", type=float, default=d.window_fraction)
     p.add_argument("--observed", type=_observed, default=d.observed,

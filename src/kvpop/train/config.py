@@ -14,7 +14,7 @@ HELD_OUT = ("paul_graham", "python_code")
 TRAIN_CORPORA = ("shakespeare", "wikipedia", "python_docs", "human_eval", "perl_docs", "git_docs")
 
 # Fields that change what a checkpoint means: a resumed run must agree on them.
-RESUME_KEYS = ("scorer", "seq_len", "budgets", "budget_range", "windows_per_octave", "window", "window_fraction", "sinks", "lam", "loss", "weighting",
+RESUME_KEYS = ("scorer", "seq_len", "budgets", "budget_range", "windows_per_octave", "windows_per_sequence", "window", "window_fraction", "sinks", "lam", "loss", "weighting",
                "lr", "hidden", "dk", "dv", "position_free", "observed", "tilt", "corpora", "docs_from", "seed",
                "steps", "batch_size", "cycle")
 
@@ -36,6 +36,10 @@ class TrainConfig:
     # between); the step's window is the captured window nearest window_fraction * B (see window_grid)
     budget_range: tuple[int, int] | None = None
     windows_per_octave: int = 2  # budget_range runs: target windows captured per doubling of the window
+    # >0: each sequence carries targets for only this many windows of the grid (round-robin over the
+    # sequences, so every window is covered evenly), and its steps draw budgets whose window it has: the
+    # store shrinks (keys and values stay whole) while budgets stay log-uniform over all sequences
+    windows_per_sequence: int = 0
     val_budgets: tuple[int, ...] = ()  # budgets of the validation probe (default: the budgets, or 3 over the range)
     window: int | None = None  # protected window; None: window_fraction * budget
     window_fraction: float = 0.5
@@ -58,7 +62,8 @@ class TrainConfig:
     cycle: int = 0  # >0: step sequences cycle over the first `cycle` of the stream (sweeps over a filled store)
     capture_only: bool = False  # fill the store and stop (no scorer training)
     extra_windows: tuple[int, ...] = ()  # also capture targets for these windows (a store serving later runs)
-    val_docs: int = 4  # validation documents for retention under the real KVpopCache
+    val_docs: int = 4  # validation windows (round-robin over the corpora) for retention under the real KVpopCache
+    val_seq_len: int | None = None  # tokens per validation window (None: seq_len)
     val_every: int = 50
     ckpt_every: int = 25
     device: str = "cpu"
@@ -75,6 +80,8 @@ class TrainConfig:
         if self.budget_range is not None:
             self.budget_range = (int(self.budget_range[0]), int(self.budget_range[1]))
         self.val_budgets = tuple(int(b) for b in self.val_budgets)
+        if self.val_seq_len is None:
+            self.val_seq_len = self.seq_len
         self.corpora = tuple(self.corpora)
         self.observed = tuple(None if o is None else int(o) for o in self.observed)
         self.extra_windows = tuple(int(w) for w in self.extra_windows)
@@ -106,7 +113,17 @@ class TrainConfig:
         """The windows a capture records: the run's own and ``extra_windows``."""
         return tuple(sorted(set(self.windows()) | set(self.extra_windows)))
 
-    def step_eviction(self, step: int) -> EvictionConfig:
+    def sequence_windows(self, j: int) -> tuple[int, ...]:
+        """The windows sequence ``j`` carries targets for: all of the grid, or ``windows_per_sequence`` of
+        them spread over it and rotating with ``j`` (sequence j holds grid[j], grid[j + n/m], ...)."""
+        grid = self.window_grid()
+        m = self.windows_per_sequence
+        if m <= 0 or m >= len(grid):
+            return grid
+        stride = len(grid) / m
+        return tuple(sorted({grid[(j + int(i * stride)) % len(grid)] for i in range(m)}))
+
+    def step_eviction(self, step: int, windows=None) -> EvictionConfig:
         """The budget and split of training step ``step`` (deterministic per seed and step).
 
         ``budgets``: one of them. ``budget_range``: ``B`` log-uniform in the range and the window of
@@ -114,10 +131,18 @@ class TrainConfig:
         ``2 ** (1 / (2 * windows_per_octave))``), so every budget in the range is trained at a
         window close to the one inference uses."""
         rng = random.Random(self.seed * 100003 + step)
+        ok = set(self.window_grid() if windows is None else windows)
         if self.budget_range is None:
-            return self.eviction(rng.choice(self.budgets))
+            choices = [b for b in self.budgets if self.window_for(b) in ok]
+            if not choices:
+                raise ValueError(f"step {step}: no training budget has a window among {sorted(ok)}")
+            return self.eviction(rng.choice(choices))
         lo, hi = self.budget_range
-        return self.grid_eviction(round(lo * (hi / lo) ** rng.random()))
+        for _ in range(10_000):  # log-uniform, restricted to the budgets whose window the sequences carry
+            ev = self.grid_eviction(round(lo * (hi / lo) ** rng.random()))
+            if ev.window in ok:
+                return ev
+        raise ValueError(f"step {step}: no budget in {self.budget_range} has a window among {sorted(ok)}")
 
     def grid_eviction(self, budget: int) -> EvictionConfig:
         """``budget`` with the captured window nearest the one inference uses (the targets exist for it)."""
@@ -165,6 +190,8 @@ class TrainConfig:
             raise ValueError("give at least one budget")
         if not (0.0 < self.window_fraction < 1.0):
             raise ValueError(f"window_fraction must be in (0, 1), got {self.window_fraction}")
+        if self.windows_per_sequence < 0:
+            raise ValueError(f"windows_per_sequence must be >= 0, got {self.windows_per_sequence}")
         if self.budget_range is not None:
             lo, hi = self.budget_range
             if not (1 <= lo <= hi):
@@ -179,7 +206,7 @@ class TrainConfig:
                 raise ValueError(
                     f"seq_len={self.seq_len} too short for window={ev.window}: need > sinks + 2 * window"
                 )
-        for name in ("steps", "batch_size", "val_every", "ckpt_every", "seq_len"):
+        for name in ("steps", "batch_size", "val_every", "ckpt_every", "seq_len", "val_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.cycle < 0:

@@ -48,6 +48,13 @@ class Example:
             {w: o.to(device, torch.float32) for w, o in self.observed.items()}, self.corpora,
         )  # fmt: skip
 
+    def only(self, windows, observed: bool = True) -> Example:
+        """The same capture with the targets (and statistics) of ``windows`` only (those it has)."""
+        keep = [w for w in windows if w in self.targets]
+        return Example(self.keys, self.values, {w: self.targets[w] for w in keep},
+                       {w: self.observed[w] for w in keep if w in self.observed} if observed else {},
+                       self.corpora)  # fmt: skip
+
     @staticmethod
     def cat(parts: list[Example]) -> Example:
         return Example(
@@ -81,9 +88,11 @@ class SequenceSource:
     Access is sequential (each rank asks for increasing ``j``); asking for an earlier ``j`` restarts.
     """
 
-    def __init__(self, cfg: TrainConfig, tokenizer, split: str = "train", seed: int | None = None) -> None:
+    def __init__(self, cfg: TrainConfig, tokenizer, split: str = "train", seed: int | None = None,
+                 seq_len: int | None = None) -> None:  # fmt: skip
         self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
         self.seed = cfg.seed if seed is None else seed
+        self.seq_len = cfg.seq_len if seq_len is None else seq_len
         self._it: Iterator | None = None
         self._next = 0
 
@@ -97,15 +106,15 @@ class SequenceSource:
             epoch = 0
             while True:
                 n = 0
-                for ids in data.iter_packed(self.tokenizer, docs, cfg.seq_len, add_bos=False,
+                for ids in data.iter_packed(self.tokenizer, docs, self.seq_len, add_bos=False,
                                             seed=self.seed + epoch):  # fmt: skip
                     n += 1
                     yield "user", ids
                 if n == 0:
-                    raise ValueError(f"no {self.split} sequence of {cfg.seq_len} tokens in {cfg.docs_from}")
+                    raise ValueError(f"no {self.split} sequence of {self.seq_len} tokens in {cfg.docs_from}")
                 epoch += 1
         else:
-            yield from data.training_windows(self.tokenizer, cfg.corpora, cfg.seq_len, self.split, self.seed)
+            yield from data.training_windows(self.tokenizer, cfg.corpora, self.seq_len, self.split, self.seed)
 
     def get(self, j: int) -> tuple[str, Tensor]:
         if self._it is None or j < self._next:
@@ -136,11 +145,20 @@ class CaptureStore:
             "sinks": cfg.sinks,
             "obs_windows": list(cfg.observed),
             "windows": list(cfg.capture_windows()),
+            "windows_per_sequence": cfg.windows_per_sequence,
         }
         path = self.folder / "store.json"
         if path.exists():
             have = json.loads(path.read_text())
+            have.setdefault("windows_per_sequence", 0)
             keys = ["format", "fingerprint", "data", "sinks"] + (["obs_windows"] if cfg.observed else [])
+            if have["windows_per_sequence"] and have["windows"] != self.meta["windows"]:
+                raise ValueError(f"capture store {self.folder} holds {have['windows_per_sequence']} windows per "
+                                 f"sequence of the grid {have['windows']}; this run's grid is {self.meta['windows']}")  # fmt: skip
+            if have["windows_per_sequence"] != cfg.windows_per_sequence:
+                raise ValueError(f"capture store {self.folder} holds {have['windows_per_sequence'] or 'all'} windows "
+                                 f"per sequence; this run asks for {cfg.windows_per_sequence or 'all'} "
+                                 "(--windows-per-sequence)")  # fmt: skip
 
             def same(key: str) -> bool:  # a fingerprint field the store predates is not a mismatch
                 if key == "fingerprint":
@@ -167,6 +185,15 @@ class CaptureStore:
     def windows(self) -> list[int]:
         return list(self.meta["windows"])
 
+    def sequence_windows(self, j: int) -> tuple[int, ...]:
+        """The windows the store keeps for sequence ``j`` (see ``TrainConfig.sequence_windows``)."""
+        grid = self.windows
+        m = self.meta.get("windows_per_sequence") or 0
+        if m <= 0 or m >= len(grid):
+            return tuple(grid)
+        stride = len(grid) / m
+        return tuple(sorted({grid[(j + int(i * stride)) % len(grid)] for i in range(m)}))
+
     @property
     def obs_windows(self) -> tuple:
         return tuple(self.meta["obs_windows"])
@@ -183,10 +210,13 @@ class CaptureStore:
         if ex.keys.shape[1] != 1:
             raise ValueError("the store keeps one sequence per file")
         tensors = {"keys": ex.keys[:, 0].half().contiguous().cpu(), "values": ex.values[:, 0].half().contiguous().cpu()}
+        # targets stay float32 (the teacher's labels come from their order, and close targets must not tie);
+        # the observed statistics are scorer inputs, sums of attention: bfloat16's ~3 significant digits
+        # halve them on disk (keys and values are float16)
         for w, t in ex.targets.items():
             tensors[f"target_{w}"] = t[:, 0].float().contiguous().cpu()
         for w, o in ex.observed.items():
-            tensors[f"observed_{w}"] = o[:, 0].float().contiguous().cpu()
+            tensors[f"observed_{w}"] = o[:, 0].to(torch.bfloat16).contiguous().cpu()
         meta = {"corpus": ex.corpora[0]}
         atomic_write(self.path(j), lambda tmp: save_file(tensors, tmp, metadata={"kvpop": json.dumps(meta)}))
 
@@ -199,22 +229,23 @@ class CaptureStore:
             def get(name: str) -> Tensor:
                 return f.get_tensor(name).unsqueeze(1)
 
+            have = set(f.keys())
+            windows = [w for w in windows if f"target_{w}" in have]
             targets = {w: get(f"target_{w}") for w in windows}
             observed = {w: get(f"observed_{w}") for w in windows} if observed and self.meta["obs_windows"] else {}
             return Example(get("keys"), get("values"), targets, observed, [meta.get("corpus", "?")])
 
 
 def example_for(j: int, source: SequenceSource, store: CaptureStore | None, model, cfg: TrainConfig) -> Example:
-    """Sequence ``j``'s capture: from the store, or captured now (and stored, with a store)."""
-    windows = cfg.windows()
+    """Sequence ``j``'s capture with the targets of its windows (``cfg.sequence_windows(j)``): from the
+    store, or captured now (and stored, with a store)."""
+    windows = cfg.sequence_windows(j)
     if store is not None and store.has(j):
         return store.load(j, windows, observed=bool(cfg.observed))
     corpus, ids = source.get(j)
     obs = store.obs_windows if store is not None else cfg.observed  # a store stays uniform
-    ex = capture_example(model, ids.view(1, -1), store.windows if store else windows, cfg.sinks, obs, [corpus])
+    ex = capture_example(model, ids.view(1, -1), store.sequence_windows(j) if store else windows, cfg.sinks, obs,
+                         [corpus])  # fmt: skip
     if store is not None:
         store.save(j, ex)
-        ex = Example(ex.keys, ex.values, {w: ex.targets[w] for w in windows},
-                     {w: ex.observed[w] for w in windows} if ex.observed and cfg.observed else {},
-                     ex.corpora)  # fmt: skip
-    return ex
+    return ex.only(windows, observed=bool(cfg.observed))

@@ -137,7 +137,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None) -> dict:
         from .quality import VALIDATION_SEED, RetentionProbe
 
         probe = RetentionProbe(model, tokenizer, cfg)
-        vsrc = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED)
+        vsrc = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED, seq_len=cfg.val_seq_len)
         val_examples = [capture_example(model, ids.view(1, -1), cfg.windows(), cfg.sinks, cfg.observed, [c])
                         for c, ids in (vsrc.get(j) for j in range(min(2, cfg.val_docs)))]  # fmt: skip
 
@@ -149,10 +149,12 @@ def train(cfg: TrainConfig, model=None, tokenizer=None) -> dict:
         j0 = step * cfg.batch_size + rank * per_rank
         t0 = time.perf_counter()
         seqs = [j % cfg.cycle if cfg.cycle else j for j in range(j0, j0 + per_rank)]
-        ex = Example.cat([example_for(j, source, store, model, cfg) for j in seqs]).float(device)
+        parts = [example_for(j, source, store, model, cfg) for j in seqs]
         t_capture += time.perf_counter() - t0
-        ev = cfg.step_eviction(step)
+        # a budget whose window this rank's sequences carry (every window, unless --windows-per-sequence)
+        ev = cfg.step_eviction(step, set.intersection(*(set(p.targets) for p in parts)))
         budget, w = ev.budget, ev.window
+        ex = Example.cat([p.only([w], observed=bool(cfg.observed)) for p in parts]).float(device)
         lab = labels_for(ex.targets[w].cpu(), w, ev.k, ev.sinks, ev.lam)
         if device.type != "cpu":
             lab = type(lab)(*(t.to(device) for t in (lab.t_new, lab.t_bnd, lab.y, lab.valid)))
@@ -239,7 +241,8 @@ def _capture_only(cfg, model, source, store, rank, world, per_rank) -> dict:
     t0 = time.perf_counter()
     for j in todo:
         corpus, ids = source.get(j)
-        store.save(j, capture_example(model, ids.view(1, -1), store.windows, cfg.sinks, cfg.observed, [corpus]))
+        store.save(j, capture_example(model, ids.view(1, -1), store.sequence_windows(j), cfg.sinks, cfg.observed,
+                                      [corpus]))  # fmt: skip
         bar.update(1)
     bar.close()
     if world > 1:

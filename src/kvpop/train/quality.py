@@ -23,31 +23,50 @@ from .data import SequenceSource
 VALIDATION_SEED = 12345
 
 
+def validation_windows(tokenizer, cfg: TrainConfig, n: int) -> list[tuple[str, torch.Tensor]]:
+    """``n`` validation windows of ``cfg.val_seq_len`` tokens: round-robin over the training corpora
+    (each corpus equally, not by size), or from the user's documents' validation split."""
+    if n <= 0:
+        return []
+    if cfg.docs_from:
+        source = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED, seq_len=cfg.val_seq_len)
+        return [source.get(j) for j in range(n)]
+    from ..data import round_robin_windows
+
+    return round_robin_windows(tokenizer, cfg.corpora, cfg.val_seq_len, n, "validation", VALIDATION_SEED)
+
+
 class RetentionProbe:
-    """Validation windows (from the validation split of the training data) and their dense runs."""
+    """Validation windows and their dense runs; retention of a scorer under the real cache.
+
+    Two tasks from one forward per window and budget, as the evaluation scores them: ``lm`` (every
+    position after the budget is first full) and ``continuation`` (the last ``seq_len / 16``
+    positions). The selection number is the mean over budgets of both tasks' retention.
+    """
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, n_docs: int | None = None) -> None:
         self.model, self.cfg = model, cfg
-        n = cfg.val_docs if n_docs is None else n_docs
-        source = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED)
-        self.docs = [source.get(j) for j in range(n)]
+        self.docs = validation_windows(tokenizer, cfg, cfg.val_docs if n_docs is None else n_docs)
         self.dense = DenseCache()
         self._streaming: dict[int, dict] = {}
 
     @torch.no_grad()
     def _run(self, policy, budget: int) -> dict:
         cfg = self.cfg
-        total, per_doc = Sums(), []
+        lm, cont, per_doc = Sums(), Sums(), []
         for corpus, ids in self.docs:
             dh, _ = self.dense.get(self.model, ids)
             cache = make_cache(self.model, policy, budget=budget, window=cfg.window_for(budget), sinks=cfg.sinks,
                                lam=cfg.lam)  # fmt: skip
             ph = hidden_states(self.model, ids, cache)
-            sums = sums_from_hidden(self.model, dh, ph, ids, budget)
-            total = total.add(sums)
-            per_doc.append({"corpus": corpus, "retention": sums.metrics()["retention"]})
-        m = total.metrics()
-        return {"retention": m["retention"], "kl": m["kl"], "per_doc": per_doc}
+            a = sums_from_hidden(self.model, dh, ph, ids, budget)
+            c = sums_from_hidden(self.model, dh, ph, ids, ids.numel() - max(1, ids.numel() // 16))
+            lm, cont = lm.add(a), cont.add(c)
+            per_doc.append({"corpus": corpus, "retention": a.metrics()["retention"],
+                            "continuation": c.metrics()["retention"]})  # fmt: skip
+        m = lm.metrics()
+        return {"retention": m["retention"], "kl": m["kl"], "continuation": cont.metrics()["retention"],
+                "per_doc": per_doc}  # fmt: skip
 
     def streaming(self, budget: int) -> dict:
         if budget not in self._streaming:
@@ -55,7 +74,7 @@ class RetentionProbe:
         return self._streaming[budget]
 
     def __call__(self, scorer, budgets) -> dict:
-        """Retention of ``scorer`` per budget, with StreamingLLM's and the per-document wins."""
+        """Retention of ``scorer`` per budget on both tasks, with StreamingLLM's and the per-document wins."""
         if not self.docs:
             return {}
         was_training = scorer.training
@@ -65,11 +84,17 @@ class RetentionProbe:
             for b in budgets:
                 r = self._run(policy, b)
                 s = self.streaming(b)
-                wins = sum(a["retention"] > c["retention"] for a, c in zip(r["per_doc"], s["per_doc"]))
-                out[str(b)] = {**r, "streaming": s["retention"], "wins_vs_streaming": wins, "docs": len(self.docs)}
+                pairs = list(zip(r["per_doc"], s["per_doc"], strict=True))
+                out[str(b)] = {
+                    **r, "streaming": s["retention"], "streaming_continuation": s["continuation"],
+                    "wins_vs_streaming": sum(a["retention"] > c["retention"] for a, c in pairs),
+                    "continuation_wins_vs_streaming": sum(a["continuation"] > c["continuation"] for a, c in pairs),
+                    "docs": len(self.docs),
+                }  # fmt: skip
         finally:
             scorer.train(was_training)
-        out["mean_retention"] = sum(out[str(b)]["retention"] for b in budgets) / len(budgets)
+        both = [(out[str(b)]["retention"] + out[str(b)]["continuation"]) / 2 for b in budgets]
+        out["mean_retention"] = sum(both) / len(both)
         if not math.isfinite(out["mean_retention"]):
             out["mean_retention"] = float("-inf")
         return out
