@@ -394,3 +394,20 @@ def test_compare_adapted_command(tmp_path, docs, scorer_path, monkeypatch, capsy
     assert report.main([*args[:1], str(tmp_path), *args[2:]]) == 2
     assert "is not a kvpop adapter bundle" in capsys.readouterr().err
     assert report.main([*args, "--shard", "3/2"]) == 2
+
+
+def test_adapt_over_a_budget_range(tmp_path, docs, scorer_path):
+    """--budget-range: B log-uniform per step with the scorer's trained fraction of B as the window (the
+    mask is built on the fly, so any window is exact); the bundle records the range and the fraction."""
+    from kvpop.config import TrainedSettings
+
+    cfg = _cfg(tmp_path, docs, scorer_path, budget_range=(16, 40), steps=5, val_docs=1, val_every=5)
+    evs = [cfg.step_eviction(s) for s in range(40)]
+    assert {e.budget for e in evs} <= set(range(16, 41)) and len({e.budget for e in evs}) > 5
+    assert all(e.window == 8 for e in evs)  # the start scorer was trained at a fixed window 8
+    assert cfg.validation_budgets() == (20, 25, 32)
+    s = adapt(cfg, tiny_model("llama"), tiny_tokenizer())
+    assert {h["budget"] for h in s["history"]} <= set(range(16, 41))
+    meta = read_bundle_meta(tmp_path / "adapter")["meta"]
+    t = TrainedSettings.from_meta(meta["trained_for"])
+    assert t.budget_range == (16, 40) and t.window == 8

@@ -10,6 +10,7 @@ import sys
 import torch.distributed as dist
 
 from ..adapters import DEFAULT_LORA_TARGETS
+from ..train.cli import budget_range_arg
 from ..train.config import TRAIN_CORPORA
 from .config import KL_POSITIONS, KL_TAILS, MASKS, AdaptConfig
 
@@ -42,6 +43,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--docs-from", default=None, help="adapt on your own texts: a folder of .txt or a .jsonl")
     p.add_argument("--budgets", type=_ints, default=d.budgets, help="comma-separated budgets B; one is drawn per step")
     p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
+    p.add_argument("--budget-range", type=budget_range_arg, default=None, metavar="LO,HI",
+                   help="draw B log-uniformly from [LO, HI] at every step instead of --budgets (window: the scorer's "
+                        "trained fraction of B)")  # fmt: skip
+    p.add_argument("--val-budgets", type=_ints, default=(),
+                   help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)")
     p.add_argument("--window", type=int, default=None,
                    help="protected window (default: the scorer's trained fraction of B, else B / 2; streaming: B - sinks)")  # fmt: skip
     p.add_argument("--window-fraction", type=float, default=None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -17,7 +18,8 @@ KL_TAILS = ("bucket", "renormalize")
 
 # Fields that change what a checkpoint means: a resumed run must agree on them (plus the resolved
 # windows and lam, the starting scorer's content hash and the base model's fingerprint).
-RESUME_KEYS = ("mask", "joint", "corpora", "docs_from", "seq_len", "batch_size", "budgets", "sinks", "tau",
+RESUME_KEYS = ("mask", "joint", "corpora", "docs_from", "seq_len", "batch_size", "budgets", "budget_range", "sinks",
+               "tau",
                "weighting", "scorer_loss", "lora_r", "lora_alpha", "lora_targets", "full_finetune", "lr",
                "scorer_lr", "weight_decay", "steps", "top_k", "temperature", "kl_tail", "kl_positions", "seed")  # fmt: skip
 
@@ -39,6 +41,8 @@ class AdaptConfig:
     batch_size: int = 1  # sequences per step, over all ranks
     budgets: tuple[int, ...] = (512,)  # one is drawn per step
     budget: int | None = None  # shorthand for budgets=(budget,)
+    budget_range: tuple[int, int] | None = None  # (lo, hi): B log-uniform per step instead of --budgets
+    val_budgets: tuple[int, ...] = ()  # budgets of the validation probe (default: --budgets, or 3 over the range)
     window: int | None = None  # None: window_fraction * B, else the scorer's trained fraction of B, else B / 2
     window_fraction: float | None = None
     sinks: int = 4
@@ -76,6 +80,9 @@ class AdaptConfig:
             self.budgets = (int(self.budget),)
             self.budget = None
         self.budgets = tuple(int(b) for b in self.budgets)
+        if self.budget_range is not None:
+            self.budget_range = (int(self.budget_range[0]), int(self.budget_range[1]))
+        self.val_budgets = tuple(int(b) for b in self.val_budgets)
         self.corpora = tuple(self.corpora)
         if isinstance(self.lora_targets, str):
             self.lora_targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
@@ -129,13 +136,41 @@ class AdaptConfig:
     def eviction(self, budget: int) -> EvictionConfig:
         return EvictionConfig.from_budget(budget, window=self.window_for(budget), sinks=self.sinks, lam=self.lam_value())
 
+    def step_eviction(self, step: int) -> EvictionConfig:
+        """The budget and split of step ``step`` (deterministic per seed and step): one of ``budgets``, or
+        ``B`` log-uniform over ``budget_range`` with the window the one resolver gives at ``B`` (the mask
+        is built on the fly, so any window is exact)."""
+        rng = random.Random(self.seed * 100003 + step)
+        if self.budget_range is None:
+            return self.eviction(rng.choice(self.budgets))
+        lo, hi = self.budget_range
+        return self.eviction(round(lo * (hi / lo) ** rng.random()))
+
+    def validation_budgets(self) -> tuple[int, ...]:
+        """``val_budgets``, else the training budgets, else three spanning the range (as ``kvpop train``)."""
+        if self.val_budgets:
+            return self.val_budgets
+        if self.budget_range is None:
+            return self.budgets
+        lo, hi = self.budget_range
+        return tuple(sorted({min(hi, 2 * lo), round(math.sqrt(lo * hi)), max(lo, hi // 2)}))
+
     def trained_for(self) -> dict:
-        """What the bundle's scorer (and caches built from it) default to."""
+        """What the bundle's scorer (and caches built from it) default to (``TrainedSettings``): the
+        budget range adapted over, the window as a fraction of B (the starting scorer's, unless the run
+        set one), the lam; ``budgets`` / ``windows`` list what a ``--budgets`` run drew."""
+        lo_hi = self.budget_range or (min(self.budgets), max(self.budgets))
+        window, fraction = self.window, self.window_fraction
+        if window is None and fraction is None and self.mask == "kvpop":
+            trained = self.trained_settings()  # the starting scorer's rule
+            if trained is not None:
+                window, fraction = trained.window, trained.window_fraction
         return {
-            "budgets": list(self.budgets),
-            "window": self.window,
-            "window_fraction": self.window_fraction,
-            "windows": {str(b): self.window_for(b) for b in self.budgets},
+            "budget_range": list(lo_hi),
+            "window": window if self.mask == "kvpop" else None,
+            "window_fraction": fraction,
+            "budgets": list(self.budgets) if self.budget_range is None else None,
+            "windows": {str(b): self.window_for(b) for b in self.budgets} if self.budget_range is None else None,
             "sinks": self.sinks,
             "lam": self.lam_value(),
             "seq_len": self.seq_len,
@@ -168,6 +203,8 @@ class AdaptConfig:
             raise ValueError("mask streaming uses no scorer (StreamingLLM+ control); drop --scorer")
         if not self.budgets:
             raise ValueError("give at least one budget")
+        if self.budget_range is not None and not (2 <= self.budget_range[0] <= self.budget_range[1]):
+            raise ValueError(f"budget_range must be (lo, hi) with 2 <= lo <= hi, got {self.budget_range}")
         if self.window_fraction is not None and not (0.0 < self.window_fraction < 1.0):
             raise ValueError(f"window_fraction must be in (0, 1), got {self.window_fraction}")
         if self.lam is not None and (not math.isfinite(self.lam) or self.lam < 0):
@@ -177,7 +214,7 @@ class AdaptConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        for b in self.budgets:
+        for b in (self.budget_range or self.budgets):
             if b < 2:
                 raise ValueError(f"budget must be >= 2, got {b}")
             ev = self.eviction(b)  # raises for a budget below sinks + window

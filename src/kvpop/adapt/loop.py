@@ -36,7 +36,6 @@ import contextlib
 import copy
 import json
 import math
-import random
 import resource
 import sys
 import time
@@ -416,8 +415,8 @@ def adapt(cfg: AdaptConfig, model=None, tokenizer=None) -> dict:
         seqs = [source.get(j) for j in range(j0, j0 + per_rank)]
         corpora = [c for c, _ in seqs]
         ids = torch.stack([x.view(-1) for _, x in seqs]).to(device)
-        budget = random.Random(cfg.seed * 100003 + step).choice(cfg.budgets)
-        ev = cfg.eviction(budget)
+        ev = cfg.step_eviction(step)
+        budget = ev.budget
         opt.zero_grad(set_to_none=True)
         if train_scorer:
             s_opt.zero_grad(set_to_none=True)

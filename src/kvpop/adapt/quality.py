@@ -63,16 +63,17 @@ class AdaptProbe:
     @torch.no_grad()
     def _run(self, m, policy, dense: bool) -> dict:
         cfg = self.cfg
-        tot = {b: Sums() for b in cfg.budgets}
-        tot_dense_b = {b: Sums() for b in cfg.budgets}
+        budgets = cfg.validation_budgets()
+        tot = {b: Sums() for b in budgets}
+        tot_dense_b = {b: Sums() for b in budgets}
         tot_dense = Sums()
-        per_doc = {b: [] for b in cfg.budgets}
+        per_doc = {b: [] for b in budgets}
         for i, (corpus, ids) in enumerate(self.docs):
             bh = self.base_hidden(i)
             dh = hidden_states(m, ids, None) if dense else None
             if dense:
                 tot_dense = tot_dense.add(sums_from_hidden(m, bh, dh, ids, 0))
-            for b in cfg.budgets:
+            for b in budgets:
                 ev = cfg.eviction(b)
                 cache = make_cache(m, policy, budget=b, window=ev.window, sinks=ev.sinks, lam=ev.lam)
                 s = sums_from_hidden(m, bh, hidden_states(m, ids, cache), ids, b)
@@ -81,13 +82,13 @@ class AdaptProbe:
                 if dense:
                     tot_dense_b[b] = tot_dense_b[b].add(sums_from_hidden(m, bh, dh, ids, b))
         out: dict = {}
-        for b in cfg.budgets:
+        for b in budgets:
             out[str(b)] = {**_metrics(tot[b]), "per_doc": per_doc[b]}
             if dense:
                 out[str(b)]["dense_retention"] = tot_dense_b[b].metrics()["retention"]
         if dense:
             out["dense"] = _metrics(tot_dense)
-        mean = sum(out[str(b)]["retention"] for b in cfg.budgets) / len(cfg.budgets)
+        mean = sum(out[str(b)]["retention"] for b in budgets) / len(budgets)
         out["mean_retention"] = mean if math.isfinite(mean) else float("-inf")
         return out
 
@@ -110,7 +111,8 @@ class AdaptProbe:
             return self._run(m, self._policy(scorer), dense=False)
 
     def describe(self, q: dict) -> str:
-        parts = [f"B={b} retention {q[str(b)]['retention']:.4f} (KL {q[str(b)]['kl']:.4f})" for b in self.cfg.budgets]
+        parts = [f"B={b} retention {q[str(b)]['retention']:.4f} (KL {q[str(b)]['kl']:.4f})"
+                 for b in self.cfg.validation_budgets()]
         if "dense" in q:
             parts.append(f"adapted dense retention {q['dense']['retention']:.4f} (KL {q['dense']['kl']:.4f})")
         return ", ".join(parts) + " vs base dense"

@@ -16,7 +16,8 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
-def _range(text: str) -> tuple[int, int]:
+def budget_range_arg(text: str) -> tuple[int, int]:
+    """``LO,HI`` of ``--budget-range`` (kvpop train and kvpop adapt)."""
     lo_hi = _ints(text)
     if len(lo_hi) != 2:
         raise argparse.ArgumentTypeError(f"expected LO,HI (two budgets), got {text!r}")
@@ -46,7 +47,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--budgets", type=_ints, default=d.budgets,
                    help="comma-separated budgets B; one is drawn per step (default 512)")  # fmt: skip
     p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
-    p.add_argument("--budget-range", type=_range, default=None, metavar="LO,HI",
+    p.add_argument("--budget-range", type=budget_range_arg, default=None, metavar="LO,HI",
                    help="draw B log-uniformly from [LO, HI] at every step instead of --budgets (one scorer for every "
                         "budget in between; the window is the captured one nearest --window-fraction of B)")  # fmt: skip
     p.add_argument("--windows-per-octave", type=int, default=d.windows_per_octave,
