@@ -306,3 +306,22 @@ def test_windows_per_sequence_keeps_a_smaller_store_and_budgets_follow_the_windo
     with pytest.raises(ValueError, match="windows per sequence"):  # a run that wants every window is refused
         train(_cfg(tmp_path / "all", docs, scorer="mlp", store=str(tmp_path / "store"), steps=1,
                    **{**kw, "windows_per_sequence": 0}), model, tok)  # fmt: skip
+
+
+def test_validation_baseline_is_shared_through_a_cache_folder(tmp_path, docs, monkeypatch):
+    """--val-cache: the dense and StreamingLLM validation runs are computed once per sweep, and a run
+    reading them back measures the same numbers."""
+    from kvpop.train import quality
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    kw = {"scorer": "mlp", "steps": 2, "val_every": 2, "val_docs": 2, "val_cache": str(tmp_path / "vc")}
+    first = train(_cfg(tmp_path / "a", docs, **kw), model, tok)
+    files = sorted(p.name.split("_")[0] for p in (tmp_path / "vc").iterdir())
+    assert files == ["dense", "streaming"]
+    calls = []
+    real = quality.RetentionProbe._run
+    monkeypatch.setattr(quality.RetentionProbe, "_run", lambda self, pol, b: calls.append(pol) or real(self, pol, b))
+    second = train(_cfg(tmp_path / "b", docs, **kw), model, tok)
+    assert "streaming" not in calls  # read back, not rerun
+    v1, v2 = first["history"][-1]["val"]["24"], second["history"][-1]["val"]["24"]
+    assert v1["streaming"] == v2["streaming"] and v1["retention"] == pytest.approx(v2["retention"], rel=1e-6)

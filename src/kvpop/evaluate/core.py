@@ -160,6 +160,11 @@ class DenseCache:
         self._gen: dict[tuple, Tensor] = {}
         self.wall_s = 0.0
 
+    def put(self, input_ids: Tensor, hidden: Tensor, wall: float = 0.0) -> None:
+        """Keep a document's dense hidden states computed elsewhere (e.g. read back from disk)."""
+        ids = input_ids.view(-1).cpu()
+        self._store[doc_key(ids)] = (ids, hidden, wall)
+
     def get(self, model, input_ids: Tensor) -> tuple[Tensor, float]:
         """``(hidden [S, H], wall seconds of the dense forward)``."""
         ids = input_ids.view(-1).cpu()

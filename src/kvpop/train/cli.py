@@ -58,6 +58,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--val-budgets", type=_ints, default=(),
                    help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)")
     p.add_argument("--val-seq-len", type=int, default=None, help="tokens per validation window (default --seq-len)")
+    p.add_argument("--val-cache", default=None,
+                   help="folder that keeps the validation baseline (dense, StreamingLLM) for later runs of a sweep")
     p.add_argument("--window", type=int, default=None, help="protected window (default: --window-fraction of B)")
     p.add_argument("--window-fraction", type=float, default=d.window_fraction)
     p.add_argument("--observed", type=_observed, default=d.observed,

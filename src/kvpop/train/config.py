@@ -64,6 +64,7 @@ class TrainConfig:
     extra_windows: tuple[int, ...] = ()  # also capture targets for these windows (a store serving later runs)
     val_docs: int = 4  # validation windows (round-robin over the corpora) for retention under the real KVpopCache
     val_seq_len: int | None = None  # tokens per validation window (None: seq_len)
+    val_cache: str | None = None  # folder keeping the validation baseline (dense, StreamingLLM) across runs
     val_every: int = 50
     ckpt_every: int = 25
     device: str = "cpu"

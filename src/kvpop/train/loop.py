@@ -136,7 +136,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None) -> dict:
     if rank == 0 and cfg.val_docs:
         from .quality import VALIDATION_SEED, RetentionProbe
 
-        probe = RetentionProbe(model, tokenizer, cfg)
+        probe = RetentionProbe(model, tokenizer, cfg, cache_dir=cfg.val_cache)
         vsrc = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED, seq_len=cfg.val_seq_len)
         val_examples = [capture_example(model, ids.view(1, -1), cfg.windows(), cfg.sinks, cfg.observed, [c])
                         for c, ids in (vsrc.get(j) for j in range(min(2, cfg.val_docs)))]  # fmt: skip

@@ -10,11 +10,16 @@ best checkpoint by that number is kept (``best.safetensors``).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
+from pathlib import Path
 
 import torch
 
 from ..cache import make_cache
+from ..checkpoint import atomic_write, model_fingerprint
 from ..evaluate.core import DenseCache, Sums, hidden_states, sums_from_hidden
 from ..policies import LearnedPolicy
 from .config import TrainConfig
@@ -44,11 +49,29 @@ class RetentionProbe:
     positions). The selection number is the mean over budgets of both tasks' retention.
     """
 
-    def __init__(self, model, tokenizer, cfg: TrainConfig, n_docs: int | None = None) -> None:
+    def __init__(self, model, tokenizer, cfg: TrainConfig, n_docs: int | None = None,
+                 cache_dir: str | os.PathLike | None = None) -> None:  # fmt: skip
         self.model, self.cfg = model, cfg
         self.docs = validation_windows(tokenizer, cfg, cfg.val_docs if n_docs is None else n_docs)
         self.dense = DenseCache()
         self._streaming: dict[int, dict] = {}
+        # the baseline (dense hidden states, StreamingLLM's results) does not depend on the scorer: runs of a
+        # sweep share it through a folder, keyed by the model, the windows and the split settings
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        if self.cache_dir is not None and self.docs:
+            h = hashlib.sha256(json.dumps(model_fingerprint(model), sort_keys=True).encode())
+            for _, ids in self.docs:
+                h.update(ids.numpy().tobytes())
+            h.update(f"{cfg.sinks}:{cfg.lam}".encode())
+            self._key = h.hexdigest()[:16]
+            dense = self.cache_dir / f"dense_{self._key}.pt"
+            if dense.is_file():
+                for (_, ids), hidden in zip(self.docs, torch.load(dense, weights_only=True), strict=True):
+                    self.dense.put(ids, hidden)
+            else:
+                hidden = [self.dense.get(model, ids)[0] for _, ids in self.docs]
+                self.cache_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write(dense, lambda tmp: torch.save(hidden, tmp))
 
     @torch.no_grad()
     def _run(self, policy, budget: int) -> dict:
@@ -70,7 +93,14 @@ class RetentionProbe:
 
     def streaming(self, budget: int) -> dict:
         if budget not in self._streaming:
-            self._streaming[budget] = self._run("streaming", budget)
+            path = None if self.cache_dir is None else self.cache_dir / f"streaming_{self._key}_{budget}.json"
+            if path is not None and path.is_file():
+                self._streaming[budget] = json.loads(path.read_text())
+            else:
+                self._streaming[budget] = self._run("streaming", budget)
+                if path is not None:
+                    text = json.dumps(self._streaming[budget])
+                    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
         return self._streaming[budget]
 
     def __call__(self, scorer, budgets) -> dict:
