@@ -33,7 +33,7 @@ def run_name(kind: str, n: int) -> str:
 
 def command(kind: str, n: int, args) -> list[str]:
     out = Path(args.out) / run_name(kind, n)
-    val_every = args.steps if n != max(args.sizes) else args.ship_val_every
+    val_every = args.ship_val_every if n == max(SIZES) else args.steps  # the largest runs are what ships
     return [sys.executable, "-m", "kvpop.train", "--kind", kind, "--out", str(out), "--store", args.store,
             "--cycle", str(n), "--steps", str(args.steps), "--val-every", str(val_every),
             "--val-cache", str(Path(args.out) / "val-cache"), *RECIPE]  # fmt: skip
