@@ -103,6 +103,9 @@ def generate(
         raise ValueError(f"unknown policy {policy!r}; known: {DENSE}, {', '.join(sorted(POLICIES))}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if generate_kwargs.get("use_cache") is False and policy != DENSE:
+        raise ValueError("use_cache=False cannot run with a KVpop cache (the whole sequence would go through it at "
+                         "every step); drop it, or use policy='dense'")
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise ValueError("prompt must be a string or a non-empty list of strings")
