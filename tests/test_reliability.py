@@ -303,3 +303,72 @@ def test_compile_tests_fail_instead_of_skipping_under_ci(monkeypatch):
     monkeypatch.delenv("CI")
     with pytest.raises(pytest.skip.Exception):
         compile_unavailable("no cc")
+
+
+# --- item 7: the weight fingerprint covers every layer ------------------------------------------
+
+
+def _scorer_file(model, path):
+    from kvpop.checkpoint import model_fingerprint, save_scorer
+    from kvpop.scorers import ScorerConfig, build_scorer
+
+    cfg = ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16)
+    return save_scorer(build_scorer(cfg), path, {"fingerprint": model_fingerprint(model)})
+
+
+def test_a_model_fine_tuned_in_a_later_layer_is_another_model(tmp_path):
+    import copy
+
+    from kvpop.checkpoint import WEIGHTS_BF16_KEY, ScorerMismatchError, load_scorer, model_fingerprint
+
+    model = tiny_model("llama")
+    path = _scorer_file(model, tmp_path / "s.safetensors")
+    tuned = copy.deepcopy(model)
+    with torch.no_grad():
+        tuned.model.layers[1].mlp.down_proj.weight.add_(0.01)  # layer 0's k_proj and the embeddings untouched
+    assert model_fingerprint(tuned)[WEIGHTS_BF16_KEY] == model_fingerprint(model)[WEIGHTS_BF16_KEY]
+    with pytest.raises(ScorerMismatchError, match="weights_sampled_bf16_sha256"):
+        load_scorer(path, model=tuned)
+    load_scorer(path, model=copy.deepcopy(model).to(torch.bfloat16))  # the same model in bfloat16 still fits
+
+
+def test_a_merged_lora_without_k_proj_is_another_model_and_an_unmerged_one_the_base(tmp_path):
+    import copy
+
+    from kvpop.adapters import add_lora, lora_config
+    from kvpop.checkpoint import ScorerMismatchError, load_scorer, model_fingerprint
+
+    model = tiny_model("llama")
+    path = _scorer_file(model, tmp_path / "s.safetensors")
+    peft_model = add_lora(copy.deepcopy(model), lora_config(r=2, targets=("q_proj", "v_proj")))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    assert model_fingerprint(peft_model) == model_fingerprint(model)  # unmerged: its base model's fingerprint
+    merged = peft_model.merge_and_unload()
+    with pytest.raises(ScorerMismatchError, match="weights_sampled_bf16_sha256"):
+        load_scorer(path, model=merged)
+
+
+def test_a_capture_store_refuses_a_model_fine_tuned_in_a_later_layer(tmp_path):
+    import copy
+    import json
+
+    from kvpop.checkpoint import WEIGHTS_SAMPLED_KEY
+    from kvpop.train.config import TrainConfig
+    from kvpop.train.data import CaptureStore
+
+    model = tiny_model("llama")
+    cfg = TrainConfig(seq_len=64, budgets=(24,), observed=())
+    CaptureStore(tmp_path / "store", cfg, model)
+    tuned = copy.deepcopy(model)
+    with torch.no_grad():
+        tuned.model.layers[1].self_attn.o_proj.weight.mul_(1.1)
+    with pytest.raises(ValueError, match="capture store .* other settings \\(fingerprint"):
+        CaptureStore(tmp_path / "store", cfg, tuned)
+    # a store from before the sampled hash still matches its model
+    meta = json.loads((tmp_path / "store" / "store.json").read_text())
+    del meta["fingerprint"][WEIGHTS_SAMPLED_KEY]
+    (tmp_path / "store" / "store.json").write_text(json.dumps(meta))
+    CaptureStore(tmp_path / "store", cfg, model)
