@@ -11,8 +11,9 @@ An *adapter bundle* is a folder::
     scorer.safetensors                               optional scorer (kvpop.checkpoint.save_scorer)
     kvpop_adapter.json                               format, base-model fingerprint, user metadata
 
-It is written to a temporary folder next to the destination and renamed into place, so a
-failed save leaves an existing bundle intact. Loading it onto a base model other than the one
+It is written to a temporary folder next to the destination and swapped into place in one step
+(:func:`kvpop.files.atomic_dir`), so a failed or killed save leaves the old or the new bundle at
+the path, never none. Loading it onto a base model other than the one
 it was trained on raises :class:`AdapterMismatchError`.
 """
 
@@ -21,14 +22,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from .checkpoint import fingerprint_diff, load_scorer, model_fingerprint, save_scorer
+from .files import atomic_dir
 
 __all__ = [
     "ADAPTER_META_FILE",
@@ -139,37 +138,6 @@ def base_fingerprint(model) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _atomic_dir(path: Path, write) -> None:
-    """``write(tmp_dir)``, then move ``tmp_dir`` to ``path`` (replacing a previous bundle there)."""
-    parent = path.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a bundle should be as readable as any folder
-    try:
-        write(tmp)
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                os.chmod(f, 0o666 & ~umask)  # some writers (safetensors) create 0600 files
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if path.exists():
-            old = parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-            try:
-                os.rename(tmp, path)
-            except BaseException:
-                os.rename(old, path)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def save_adapter_bundle(peft_model, scorer=None, path: str | os.PathLike = "adapter", meta: dict | None = None) -> Path:
     """Write an adapter bundle to the folder ``path`` (atomically; see the module doc).
 
@@ -201,7 +169,7 @@ def save_adapter_bundle(peft_model, scorer=None, path: str | os.PathLike = "adap
             save_scorer(scorer, tmp / SCORER_FILE, meta={**meta, "fingerprint": fingerprint})
         (tmp / ADAPTER_META_FILE).write_text(text + "\n", encoding="utf-8")
 
-    _atomic_dir(path, write)
+    atomic_dir(path, write)
     return path
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import attention_shape
+from .files import atomic_write
 from .scorers import ScorerConfig, ScorerStack, build_scorer
 
 FORMAT = "kvpop-scorer-v1"
@@ -143,53 +143,18 @@ def check_fingerprint(want: dict[str, Any] | None, source, *, config=None, model
         raise ScorerMismatchError(f"scorer {source} was trained for a different model ({details})")
 
 
-def file_mode() -> int:
-    """The mode a new file gets under the user's umask (``0o666 & ~umask``)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or unlink in the folder ``path`` durable (a no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename over ``path`` (same folder, so the rename is atomic): a
-    crash or a full disk leaves the previous file whole. The file is synced before the rename and the
-    folder after it, and gets the user's umask mode (``mkstemp`` creates 0600, and writers such as
-    safetensors' ``save_file`` recreate the file with 0600 too, so the mode is set after writing)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, file_mode())
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def scorer_writer(scorer: ScorerStack, meta: dict[str, Any] | None = None):
+    """``write(path)`` that saves ``scorer`` with ``meta`` as a checkpoint file (for
+    :func:`kvpop.files.atomic_writes`, which writes it with other files as one checkpoint)."""
+    header = {"format": FORMAT, "config": scorer.config.to_dict(), "meta": meta or {}}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in scorer.state_dict().items()}
+    metadata = {"kvpop": json.dumps(header)}  # fails before writing anything if meta is not JSON
+    return lambda path: save_file(tensors, path, metadata=metadata)
 
 
 def save_scorer(scorer: ScorerStack, path: str | os.PathLike, meta: dict[str, Any] | None = None) -> Path:
     path = Path(path)
-    header = {"format": FORMAT, "config": scorer.config.to_dict(), "meta": meta or {}}
-    tensors = {k: v.detach().contiguous().cpu() for k, v in scorer.state_dict().items()}
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"kvpop": json.dumps(header)}))
+    atomic_write(path, scorer_writer(scorer, meta))
     return path
 
 
