@@ -372,3 +372,36 @@ def test_a_capture_store_refuses_a_model_fine_tuned_in_a_later_layer(tmp_path):
     del meta["fingerprint"][WEIGHTS_SAMPLED_KEY]
     (tmp_path / "store" / "store.json").write_text(json.dumps(meta))
     CaptureStore(tmp_path / "store", cfg, model)
+
+
+# --- item 8: evaluation domains follow the evaluated scorer ------------------------------------
+
+
+def test_evaluation_domains_come_from_the_evaluated_scorer(tmp_path):
+    from pathlib import Path
+
+    from kvpop.checkpoint import model_fingerprint, save_scorer
+    from kvpop.evaluate import EvalConfig, run_eval
+    from kvpop.scorers import ScorerConfig, build_scorer
+    from kvpop.testing import tiny_tokenizer
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    path = save_scorer(build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16)),
+                       tmp_path / "mine.safetensors",
+                       {"fingerprint": model_fingerprint(model), "corpora": ["python_code"]})  # fmt: skip
+    fixtures = Path(__file__).parent / "fixtures" / "corpora"
+    roots = {name: fixtures / name for name in ("paul_graham", "python_code")}
+    cfg = EvalConfig(tasks=("lm",), policies=("dense", "kvpop-mlp"), compressions=(0.5,), reference_length=64,
+                     docs=1, doc_tokens=64, corpora=tuple(roots), corpus_root=roots, bootstrap=50,
+                     policy_kwargs={"kvpop-mlp": {"path": str(path)}})  # fmt: skip
+    res = run_eval(model, tok, cfg, progress=False, plots=False)
+    domains = {r["source"]: r["domain"] for r in res["units"]}
+    assert domains == {"python_code": "in_domain", "paul_graham": "out_of_domain"}
+    assert res["in_domain"] == ["python_code"]
+
+
+def test_shipped_domains_do_not_name_a_held_out_corpus():
+    from kvpop.evaluate.harness import IN_DOMAIN
+    from kvpop.train.config import HELD_OUT
+
+    assert IN_DOMAIN and not set(IN_DOMAIN) & set(HELD_OUT)
