@@ -405,3 +405,160 @@ def test_shipped_domains_do_not_name_a_held_out_corpus():
     from kvpop.train.config import HELD_OUT
 
     assert IN_DOMAIN and not set(IN_DOMAIN) & set(HELD_OUT)
+
+
+# --- items 12, 15, 16: one clear error per bad argument, before any work ------------------------
+
+
+def _no_model_load(monkeypatch):
+    import kvpop.models
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(kvpop.models, "load_model", refuse)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--prompt", "hi", "--budget", "0"], "--budget must be a positive int"),
+    (["--prompt", "hi", "--budget", "64", "--window", "0"], "--window must be a positive int"),
+    (["--prompt", "hi", "--budget", "64", "--lam", "nan"], "--lam must be a finite number"),
+    (["--prompt", "hi", "--budget", "64", "--lam", "-1"], "--lam must be >= 0"),
+    (["--prompt", "hi", "--budget", "64", "--sinks", "-2"], "--sinks must be an int >= 0"),
+    (["--prompt", "hi", "--budget", "8", "--window", "8"], "budget=8 is smaller than sinks + window"),
+    (["--prompt", "hi", "--compression", "1.5"], "--compression must be in (0, 1)"),
+    (["--prompt", "hi", "--compression", "0.5", "--reference-length", "0"], "--reference-length must be a positive int"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be a positive int"),
+    (["--prompt", ""], "--prompt is empty"),
+])  # fmt: skip
+def test_generate_cli_refuses_bad_arguments_before_loading(argv, needle, monkeypatch, capsys):
+    from kvpop.cli import main
+
+    _no_model_load(monkeypatch)
+    assert main(["generate", "--policy", "knorm", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_generate_cli_refuses_an_empty_prompt_file(tmp_path, monkeypatch, capsys):
+    from kvpop.cli import main
+
+    _no_model_load(monkeypatch)
+    (tmp_path / "empty.txt").write_text("")
+    assert main(["generate", "--policy", "knorm", "--prompt-file", str(tmp_path / "empty.txt")]) == 2
+    assert main(["generate", "--policy", "knorm", "--prompt-file", str(tmp_path / "missing.txt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "is empty" in err[0] and "--prompt-file" in err[1] and "missing.txt" in err[1]
+
+
+def test_kvpop_generate_refuses_an_empty_prompt():
+    import kvpop
+    from kvpop.testing import tiny_tokenizer
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    with pytest.raises(ValueError, match="prompt is empty"):
+        kvpop.generate(model, tok, "", policy="h2o", budget=24)
+    with pytest.raises(ValueError, match="item 1 of the list"):
+        kvpop.generate(model, tok, ["hi", ""], policy="h2o", budget=24)
+
+
+def test_cache_arguments_are_checked_by_type_and_integral_numbers_accepted():
+    np = pytest.importorskip("numpy")
+    cfg = tiny_model("llama").config
+    cache = KVpopCache(cfg, budget=np.int64(24), window=np.int32(6), sinks=np.int64(2), policy="h2o")
+    assert cache.budget == 24 and type(cache.eviction.k) is int
+    with pytest.raises(TypeError, match="lam must be a number, got True"):
+        KVpopCache(cfg, budget=24, window=6, lam=True, policy="h2o")
+    with pytest.raises(TypeError, match="lam must be a number, got 'x'"):
+        KVpopCache(cfg, budget=24, window=6, lam="x", policy="h2o")
+    with pytest.raises(TypeError, match="reference_length must be an int, got 64.5"):
+        KVpopCache(cfg, compression=0.5, reference_length=64.5, policy="h2o")
+    with pytest.raises(TypeError, match="budget must be an int, got 24.0"):
+        KVpopCache(cfg, budget=24.0, policy="h2o")
+    from kvpop.config import EvictionConfig
+
+    with pytest.raises(TypeError, match="lam"):
+        EvictionConfig(sinks=2, window=6, k=4, lam=True)
+
+
+def test_a_budget_beyond_the_models_positions_is_refused():
+    cfg = tiny_model("llama", max_position_embeddings=128).config
+    with pytest.raises(ValueError, match="budget=100000 exceeds the model's position limit"):
+        KVpopCache(cfg, budget=100000, policy="h2o")
+    KVpopCache(cfg, budget=128, policy="h2o")
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--lr", "nan"], "lr"), (["--hidden", "0"], "hidden"), (["--dk", "0"], "dk"),
+    (["--docs-from", "/no/such/folder"], "docs_from"),
+])  # fmt: skip
+def test_train_cli_refuses_bad_arguments_before_loading(tmp_path, extra, needle, monkeypatch, capsys):
+    from kvpop.train import main
+
+    _no_model_load(monkeypatch)
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--seq-len", "64", "--budget", "24", "--window", "8", *extra]
+    if "--docs-from" not in extra:
+        argv += ["--docs-from", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not out.exists()  # nothing created
+
+
+# --- item 14: broken bundles and scorers are clear errors at load -------------------------------
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    from kvpop.adapters import add_lora, lora_config, save_adapter_bundle
+    from kvpop.scorers import ScorerConfig, build_scorer
+
+    model = tiny_model("llama")
+    scorer = build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16))
+    return save_adapter_bundle(add_lora(model, lora_config(r=2)), scorer, tmp_path / "bundle")
+
+
+def test_a_bundle_without_its_weights_is_a_clear_error(bundle):
+    from kvpop.adapters import load_adapter_bundle
+
+    (bundle / "adapter_model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="has no adapter_model.safetensors"):
+        load_adapter_bundle(tiny_model("llama"), bundle)
+
+
+def test_a_truncated_bundle_is_a_clear_error(bundle):
+    from kvpop.adapters import load_adapter_bundle
+
+    data = (bundle / "adapter_model.safetensors").read_bytes()
+    (bundle / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="adapter_model.safetensors is not a readable safetensors file"):
+        load_adapter_bundle(tiny_model("llama"), bundle)
+
+
+def test_load_model_checks_the_bundle_before_loading_the_model(bundle, tmp_path, monkeypatch):
+    import kvpop.models
+    from kvpop.testing import save_tiny_model
+
+    save_tiny_model(tmp_path / "model")
+    (bundle / "adapter_config.json").unlink()
+    monkeypatch.setattr(kvpop.models, "_load_folder", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    with pytest.raises(FileNotFoundError, match="has no adapter_config.json"):
+        kvpop.models.load_model(str(tmp_path / "model"), adapter=bundle)
+
+
+@pytest.mark.parametrize("poison", ["nan", "zeros"])
+def test_a_scorer_with_nan_or_all_zero_weights_is_refused_at_load(tmp_path, poison):
+    from kvpop.checkpoint import load_scorer, save_scorer
+    from kvpop.scorers import ScorerConfig, build_scorer
+
+    scorer = build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16))
+    with torch.no_grad():
+        for i, p in enumerate(scorer.parameters()):
+            if poison == "zeros":
+                p.zero_()
+            elif i == 1:
+                p.view(-1)[0] = float("nan")
+    path = save_scorer(scorer, tmp_path / "s.safetensors")
+    with pytest.raises(ValueError, match="NaN or infinite" if poison == "nan" else "every weight is zero"):
+        load_scorer(path)

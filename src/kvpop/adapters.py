@@ -26,7 +26,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .checkpoint import fingerprint_diff, load_scorer, model_fingerprint, save_scorer
+import torch
+
+from .checkpoint import fingerprint_diff, load_scorer, model_fingerprint, read_tensors, save_scorer
 from .files import atomic_dir
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "AdapterMismatchError",
     "add_lora",
     "base_fingerprint",
+    "check_adapter_bundle",
     "load_adapter_bundle",
     "lora_config",
     "read_bundle_meta",
@@ -185,6 +188,28 @@ def read_bundle_meta(path: str | os.PathLike) -> dict[str, Any]:
     return header
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what peft's save_pretrained writes
+
+
+def check_adapter_bundle(path: str | os.PathLike) -> dict[str, Any]:
+    """The bundle's ``kvpop_adapter.json``, after checking that its files are there and readable and
+    its weights finite, so a broken bundle is one clear error before any model is loaded or touched
+    (peft would look for a missing file on the Hugging Face hub, and a truncated one raises a raw
+    ``SafetensorError``). The bundled scorer is checked when it loads (:func:`kvpop.checkpoint.load_scorer`)."""
+    path = Path(path)
+    header = read_bundle_meta(path)
+    for name in ADAPTER_FILES:
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"adapter bundle {path} has no {name}; it is incomplete (copy the whole folder)")
+    tensors = read_tensors(path / ADAPTER_FILES[1])
+    bad = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:
+        raise ValueError(f"adapter bundle {path}: tensor {bad!r} holds NaN or infinite values; the bundle is corrupt")
+    if header.get("scorer") and not (path / header["scorer"]).is_file():
+        raise FileNotFoundError(f"adapter bundle {path} names a scorer {header['scorer']} that is not there")
+    return header
+
+
 def load_adapter_bundle(
     model, path: str | os.PathLike, *, merge: bool = False, trainable: bool = False
 ) -> AdapterBundle:
@@ -199,7 +224,7 @@ def load_adapter_bundle(
     different base model.
     """
     path = Path(path)
-    header = read_bundle_meta(path)
+    header = check_adapter_bundle(path)
     if _is_peft(model):
         raise TypeError("load_adapter_bundle needs the plain base model; this one already carries a peft adapter")
     diff = fingerprint_diff(header.get("fingerprint", {}), base_fingerprint(model))

@@ -27,6 +27,7 @@ from .attention import KVpopOffset, attach
 from .config import EvictionConfig, attention_shape, budget_of_compression, check_full_attention
 from .policies import DEFAULT_POLICY, DENSE, LEARNED_POLICIES, ExitBatch, Policy, get_policy, map_state
 from .rule import NEVER, decide_chunk
+from .validate import check_cache_args
 
 _PENDING = "_kvpop_layer"
 
@@ -634,6 +635,10 @@ class KVpopCache(Cache):
         check_full_attention(config)
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}")
+        # each argument's type and range, before a scorer loads (integral numbers such as numpy.int64 become int)
+        budget, k, compression, reference_length, window, sinks, lam, prefill_chunk = check_cache_args(
+            budget=budget, k=k, compression=compression, reference_length=reference_length, window=window,
+            sinks=sinks, lam=lam, prefill_chunk=prefill_chunk).values()  # fmt: skip
         if eviction is not None and any(v is not None for v in (budget, k, compression, reference_length, window)):
             raise ValueError("give either eviction=EvictionConfig(...) or budget/k/compression/window, not both")
         pol = get_policy(policy, **policy_kwargs)
@@ -671,6 +676,13 @@ class KVpopCache(Cache):
                 prefill_chunk=eviction.prefill_chunk,
             )
         pol.validate(config, eviction)
+        limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+        if limit is not None and eviction.budget > limit:
+            raise ValueError(
+                f"budget={eviction.budget} exceeds the model's position limit max_position_embeddings={limit}: the "
+                f"cache would allocate {eviction.budget} slots per KV head and never evict. Use a budget <= {limit}, "
+                "or policy='dense'."
+            )
         self.eviction, self.policy = eviction, pol
         shape = attention_shape(config)
         super().__init__(layers=[KVpopLayer(eviction, pol, i) for i in range(shape.num_layers)])

@@ -192,10 +192,25 @@ def load_scorer(path: str | os.PathLike, model=None, config=None) -> tuple[Score
     meta = header.get("meta", {})
     check_fingerprint(meta.get("fingerprint"), path, config=config, model=model)
     scorer = build_scorer(ScorerConfig.from_dict(header["config"]))
-    with safe_open(str(path), framework="pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    state = read_tensors(path)
+    floats = {k: v for k, v in state.items() if v.is_floating_point()}
+    bad = next((k for k, v in floats.items() if not bool(torch.isfinite(v).all())), None)
+    if bad is not None:
+        raise ValueError(f"{path}: tensor {bad!r} holds NaN or infinite values; the checkpoint is corrupt (a "
+                         "diverged run?): use an earlier checkpoint")  # fmt: skip
+    if floats and not any(bool(v.any()) for v in floats.values()):
+        raise ValueError(f"{path}: every weight is zero; this is not a trained scorer")
     scorer.load_state_dict(state)
     return scorer.eval(), meta
+
+
+def read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file; an unreadable (truncated, corrupt) file is one ``ValueError``."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    except Exception as exc:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"{path} is not a readable safetensors file: {exc}") from exc
 
 
 def default_adapter_path() -> Path:

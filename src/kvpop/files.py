@@ -188,12 +188,17 @@ def clean_leftovers(folder: str | os.PathLike, only: str | None = None) -> list[
 
 
 def check_writable_dir(path: str | os.PathLike, what: str = "--out") -> Path:
-    """Create the folder ``path`` if needed and write and remove a file in it, so an output folder
-    that cannot be written is an error before any work starts (not a traceback after it)."""
+    """Write and remove a file in the folder ``path`` (or, if it does not exist yet, in the nearest
+    folder above it, which must be one), so an output folder that cannot be written is an error
+    before any work starts, not a traceback after it. Nothing is left behind (no empty folder)."""
     path = Path(path)
+    probe_in = path
+    while not probe_in.exists() and probe_in.parent != probe_in:
+        probe_in = probe_in.parent
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".kvpop-write-check.", dir=path)
+        if not probe_in.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, f"{probe_in} is not a folder")
+        fd, probe = tempfile.mkstemp(prefix=".kvpop-write-check.", dir=probe_in)
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:

@@ -110,7 +110,7 @@ def train(cfg: TrainConfig, model=None, tokenizer=None) -> dict:
                              + "; ".join(diff) + ")")  # fmt: skip
     if rank == 0:
         check_writable_dir(out)  # before the model loads: an unwritable --out is an error, not a traceback later
-        clean_leftovers(out)  # temporary files of a killed run
+        clean_leftovers(out)  # temporary files of a killed run (the folder itself is made by the first write)
     if model is None:
         from ..models import load_model
 
