@@ -32,18 +32,24 @@ def _ids(n, batch=1):
     return torch.stack([torch.randperm(128, generator=g)[:n] for _ in range(batch)])
 
 
+# (dtype, layers, logits tolerance): bfloat16 with one layer, as in tests/test_cache.py's DTYPES
+DTYPES = {"float32": (torch.float32, 2, 1e-5), "bfloat16": (torch.bfloat16, 1, 1e-2)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "knorm", "random", "kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_steady_path_equals_general_decode(policy, batch):
+def test_steady_path_equals_general_decode(policy, batch, dtype):
     """Same logits, same held tokens, same priorities and scorer state with and without the fused steady path."""
-    model = tiny_model("llama", num_hidden_layers=2)
+    dt, layers, tol = DTYPES[dtype]
+    model = tiny_model("llama", num_hidden_layers=layers, dtype=dt)
     ids = _ids(90, batch)
     kw = {"budget": 20, "window": 6, "sinks": 2, "lam": 0.01}
     a = KVpopCache(model.config, policy=_policy(policy, model), **kw)
     b = KVpopCache(model.config, policy=_policy(policy, model), **kw)
     la, lb = _run(model, a, ids, 30), _run(model, b, ids, 30, steady=False)
-    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
-    _assert_same_layers(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(la, lb, rtol=tol, atol=tol)
+    _assert_same_layers(a, b, rtol=1e-5, atol=1e-6)  # priorities and statistics are float32 in either dtype
 
 
 def _assert_same_layers(a, b, rtol, atol):
@@ -96,6 +102,27 @@ def test_compiled_step_equals_eager():
         for x, y in zip(a.layers, b.layers):
             assert torch.equal(x.slot_index, y.slot_index)
             assert x._bound is not None  # the steps after the first ran through the bound step
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_eager_in_bfloat16():
+    """compile=True with bfloat16 buffers (the GPU bench's dtype): the eager decisions and outputs."""
+    dt, layers, tol = DTYPES["bfloat16"]
+    model = tiny_model("llama", num_hidden_layers=layers, dtype=dt)
+    ids = _ids(60)
+    for policy in ("kvpop+", "h2o"):
+        kw = {"budget": 20, "window": 6, "sinks": 2}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            a = KVpopCache(model.config, policy=_policy(policy, model), compile=True, **kw)
+            la = _run(model, a, ids, 30)
+        if any("compiling the decode step failed" in str(w.message) for w in caught):
+            compile_unavailable("torch.compile failed and the step ran eagerly")
+        b = KVpopCache(model.config, policy=_policy(policy, model), **kw)
+        torch.testing.assert_close(la, _run(model, b, ids, 30), rtol=tol, atol=tol)
+        assert a.layers[0].keys.dtype == torch.bfloat16
+        _assert_same_layers(a, b, rtol=1e-4, atol=1e-5)
+        assert all(x._bound is not None for x in a.layers)
 
 
 @pytest.mark.slow

@@ -562,3 +562,61 @@ def test_a_scorer_with_nan_or_all_zero_weights_is_refused_at_load(tmp_path, pois
     path = save_scorer(scorer, tmp_path / "s.safetensors")
     with pytest.raises(ValueError, match="NaN or infinite" if poison == "nan" else "every weight is zero"):
         load_scorer(path)
+
+
+# --- behaviours: generation features that crop the cache ---------------------------------------
+
+
+@pytest.mark.parametrize("feature", ["prompt_lookup", "assistant"])
+def test_assisted_decoding_and_prompt_lookup_are_refused(feature):
+    """Both roll the cache back (crop) after rejected draft tokens; evicted tokens cannot come back.
+    transformers refuses a cache that is not croppable right after the prompt's forward."""
+    import kvpop
+    from kvpop.testing import tiny_tokenizer
+
+    model = tiny_model("llama")
+    ids = _ids(40)
+    ids = torch.cat([ids, ids[:, :20]], 1)  # repeats, so prompt lookup has drafts to propose
+    kw = {"prompt_lookup_num_tokens": 3} if feature == "prompt_lookup" else {"assistant_model": tiny_model("llama", seed=1)}
+    cache = KVpopCache(model.config, budget=24, window=6, sinks=2, policy="h2o")
+    assert not cache.is_croppable
+    with pytest.raises(ValueError, match="cache that can be cropped"):
+        model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cache.crop(1)
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=f"{name} .*cannot be rolled back"):  # kvpop.generate: before any work
+        kvpop.generate(model, tiny_tokenizer(), "hello there", policy="h2o", budget=24, **kw)
+
+
+# --- behaviours: torch.compile(model) with a KVpopCache ------------------------------------------
+
+
+@pytest.mark.slow
+def test_torch_compile_of_the_model_with_a_kvpop_cache():
+    """torch.compile(model) (inductor) traces through the kvpop attention and the cache (graph breaks
+    where the cache reads a tensor into Python): the eager model's logits and decisions. Slow (~30 s
+    here: dynamo recompiles while the cache's Python counters change), so one layer and few steps."""
+    from kvpop.testing import random_learned_policy
+
+    model = tiny_model("llama", num_hidden_layers=1)
+    ids = _ids(34)
+    kw = {"budget": 20, "window": 6, "sinks": 2}
+    eager = KVpopCache(model.config, policy=random_learned_policy(model, extra=True), **kw)
+    want = _decode(model, eager, ids, 30)
+    torch._dynamo.reset()
+    try:
+        compiled = KVpopCache(model.config, policy=random_learned_policy(model, extra=True), **kw)
+        got = _decode(torch.compile(model), compiled, ids, 30)
+    except Exception as exc:
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        if isinstance(exc, BackendCompilerFailed):
+            from kvpop.testing import compile_unavailable
+
+            compile_unavailable(str(exc))
+        raise
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(compiled.layers[0].slot_index, eager.layers[0].slot_index)

@@ -19,6 +19,9 @@ from .models import kv_bytes_per_token
 from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy
 from .validate import check_cache_args, check_int, check_prompts
 
+# generate() options that crop the cache after verifying draft tokens (transformers' assisted decoding)
+CROPPING = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
+
 
 @dataclass
 class GenerationResult:
@@ -106,6 +109,11 @@ def generate(
     if generate_kwargs.get("use_cache") is False and policy != DENSE:
         raise ValueError("use_cache=False cannot run with a KVpop cache (the whole sequence would go through it at "
                          "every step); drop it, or use policy='dense'")
+    cropping = [name for name in CROPPING if generate_kwargs.get(name) is not None]
+    if cropping and policy != DENSE:
+        raise ValueError(f"{cropping[0]} (assisted decoding / prompt lookup) rolls the cache back after rejected draft "
+                         "tokens, and a KVpop cache cannot be rolled back (evicted tokens are gone); drop it, or use "
+                         "policy='dense'")  # fmt: skip
     prompts = check_prompts(prompt)
     if policy != DENSE:  # each budget argument alone, before anything is built (make_cache checks how they combine)
         check_cache_args(budget=budget, k=k, compression=compression, reference_length=reference_length,
