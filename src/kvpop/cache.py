@@ -636,9 +636,10 @@ class KVpopCache(Cache):
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}")
         # each argument's type and range, before a scorer loads (integral numbers such as numpy.int64 become int)
-        budget, k, compression, reference_length, window, sinks, lam, prefill_chunk = check_cache_args(
-            budget=budget, k=k, compression=compression, reference_length=reference_length, window=window,
-            sinks=sinks, lam=lam, prefill_chunk=prefill_chunk).values()  # fmt: skip
+        a = check_cache_args(budget=budget, k=k, compression=compression, reference_length=reference_length,
+                             window=window, sinks=sinks, lam=lam, prefill_chunk=prefill_chunk)  # fmt: skip
+        budget, k, compression, reference_length = a["budget"], a["k"], a["compression"], a["reference_length"]
+        window, sinks, lam, prefill_chunk = a["window"], a["sinks"], a["lam"], a["prefill_chunk"]
         if eviction is not None and any(v is not None for v in (budget, k, compression, reference_length, window)):
             raise ValueError("give either eviction=EvictionConfig(...) or budget/k/compression/window, not both")
         pol = get_policy(policy, **policy_kwargs)

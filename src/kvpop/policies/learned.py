@@ -93,19 +93,25 @@ class LearnedPolicy(Policy):
     def init_state(self, batch: int, num_kv_heads: int, layer_idx: int, device):
         return self.scorer_for(device)[layer_idx].init_state(batch, device=device, dtype=torch.float32)
 
-    def scorer_for(self, device) -> ScorerStack:
+    def scorer_for(self, device, refresh: bool = True) -> ScorerStack:
         """The scorer on ``device``: ``self.scorer`` where it lives, else a copy made for that device
         once and kept, so caches on two devices sharing this policy never move weights under each
         other (before, each cache's first update moved the one scorer and the other cache found its
-        weights on the wrong device). A copy is brought up to date in place (its decode kernels'
-        views stay valid) when ``self.scorer``'s weights changed, each time a cache on that device
-        starts (``init_state``) or its kernels are rebuilt; between those it is what it was then."""
+        weights on the wrong device). With ``refresh`` (when a cache on that device starts, in
+        ``init_state``, and when its decode kernels are rebuilt), a copy whose original's weights
+        changed since is brought up to date in place, so its kernels' views stay valid; between
+        those it is what it was then. ``refresh=False``: a dictionary lookup (``score``)."""
         device = torch.device(device)
-        replicas = self.__dict__.setdefault("_replicas", {})
+        replicas = self.__dict__.get("_replicas")
+        if replicas is None:
+            replicas = self.__dict__["_replicas"] = {}
         hit = replicas.get(device)
+        if hit is not None and (hit[1] is None or not refresh):
+            return hit[0]
         home = self.scorer
         p = next(home.parameters(), None)
         if p is None or p.device == device:
+            replicas[device] = [home, None]  # the original itself: never copied
             return home
         versions = tuple(q._version for q in home.parameters())
         if hit is None:
@@ -161,7 +167,7 @@ class LearnedPolicy(Policy):
     def score(self, state, batch: ExitBatch):
         c = batch.new_keys.shape[2]
         dev = batch.new_keys.device
-        scorer = self.scorer_for(dev)
+        scorer = self.scorer_for(dev, refresh=False)
         if c == 1 and batch.all_valid and batch.keys.shape[2] == 1:
             # decode: one new and one exiting token per row, the scorer's single-step fast path
             b = batch.new_keys.shape[0]
