@@ -19,6 +19,13 @@ BASE_POLICIES = ["streaming", "tova", "h2o", "snapkv", "knorm", "random"]
 ALL_POLICIES = BASE_POLICIES + ["kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+"]
 
 
+# bfloat16 (what the GPU bench runs) next to float32: (dtype, layers, tolerance). In bfloat16 one layer,
+# so both paths see the same bfloat16 keys (a deeper layer's keys differ by rounding between the paths,
+# which flips near-tied decisions of these random models), and a tolerance of 1e-2: 2-3 bfloat16 ulps of
+# these logits, while one slot fewer moves them by more than 6e-2 (test_bfloat16_tolerance_catches_a_wrong_slot).
+DTYPES = {"float32": (torch.float32, 2, 1e-4), "bfloat16": (torch.bfloat16, 1, 1e-2)}
+
+
 def _policy(name, model):
     """A fresh policy instance; learned ones get a seeded random-init scorer for the tiny model."""
     if name.startswith("kvpop"):
@@ -61,16 +68,19 @@ def test_budget_at_least_length_is_dense(arch, policy):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("policy", ALL_POLICIES)
-def test_physical_cache_equals_masked_reference(policy):
-    model = tiny_model("llama", num_hidden_layers=2)
+def test_physical_cache_equals_masked_reference(policy, dtype):
+    dt, layers, tol = DTYPES[dtype]
+    model = tiny_model("llama", num_hidden_layers=layers, dtype=dt)
     ids = _unique_ids(120)
     cache = KVpopCache(model.config, budget=20, window=6, sinks=2, policy=_policy(policy, model))
     ref = MaskedReference(model, cache.eviction, _policy(policy, model))
     expected = ref.run(ids)
     got = _kvpop_logits(model, ids, cache, prefill=40)  # chunked prefill, then 80 decode steps
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    for layer in range(2):
+    assert got.dtype == dt and cache.layers[0].keys.dtype == dt
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    for layer in range(layers):
         held = cache.layers[layer].slot_index[0]
         for head in range(held.shape[0]):
             assert set(held[head][held[head] >= 0].tolist()) == ref.held(layer, head, ids.shape[1] - 1)
@@ -86,21 +96,38 @@ def test_physical_equals_reference_long_decode(arch):
     torch.testing.assert_close(_kvpop_logits(model, ids, cache, prefill=16), ref.run(ids), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("policy", ALL_POLICIES)
 @pytest.mark.parametrize("chunk", [3, 8])
-def test_chunked_prefill_equals_token_by_token(policy, chunk):
-    model = tiny_model("qwen2")
+def test_chunked_prefill_equals_token_by_token(policy, chunk, dtype):
+    dt, layers, tol = DTYPES[dtype]
+    model = tiny_model("qwen2", num_hidden_layers=layers, dtype=dt)
     ids = _unique_ids(100)
     a = KVpopCache(model.config, budget=22, window=8, sinks=2, policy=_policy(policy, model), prefill_chunk=chunk)
     b = KVpopCache(model.config, budget=22, window=8, sinks=2, policy=_policy(policy, model))
     with torch.no_grad():
         la = model(ids, past_key_values=a).logits
         lb = torch.cat([model(ids[:, i : i + 1], past_key_values=b).logits for i in range(ids.shape[1])], 1)
-    torch.testing.assert_close(la, lb, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(la, lb, rtol=tol, atol=tol)
     for layer_a, layer_b in zip(a.layers, b.layers):
         sa, _ = layer_a.slot_index.sort(-1)
         sb, _ = layer_b.slot_index.sort(-1)
         assert torch.equal(sa, sb)
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "kvpop+"])
+def test_bfloat16_tolerance_catches_a_wrong_slot(policy):
+    """The bfloat16 parity tolerance is not so loose that a wrong slot passes: a reference holding one
+    slot fewer (one token per head not held from some step on) is far outside it."""
+    dt, layers, tol = DTYPES["bfloat16"]
+    model = tiny_model("llama", num_hidden_layers=layers, dtype=dt)
+    ids = _unique_ids(120)
+    cache = KVpopCache(model.config, budget=20, window=6, sinks=2, policy=_policy(policy, model))
+    got = _kvpop_logits(model, ids, cache, prefill=40)
+    ev = cache.eviction
+    fewer = EvictionConfig(sinks=ev.sinks, window=ev.window - (ev.k == 0), k=max(0, ev.k - 1), lam=ev.lam)
+    wrong = MaskedReference(model, fewer, _policy(policy, model)).run(ids)
+    assert (got - wrong).abs().max().item() > 4 * tol
 
 
 def test_cache_stays_at_budget():
@@ -133,9 +160,11 @@ def test_generate_drop_in_and_positions_follow_seen_tokens():
     assert small.layers[0].slot_index.max() == 68
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("policy", ["knorm", "h2o", "random", "kvpop", "kvpop+"])
-def test_left_padded_batch_equals_rows_alone(policy):
-    model = tiny_model("llama")
+def test_left_padded_batch_equals_rows_alone(policy, dtype):
+    dt, layers, _ = DTYPES[dtype]
+    model = tiny_model("llama", num_hidden_layers=layers, dtype=dt)
     g = torch.Generator().manual_seed(3)
     a = torch.randint(1, 128, (1, 40), generator=g)
     b = torch.randint(1, 128, (1, 25), generator=g)
@@ -268,3 +297,45 @@ def test_older_checkpoint_metadata_reads_as_a_range_and_a_fraction():
     assert [t.window_at(b) for b in (256, 384, 2048)] == [128, 192, 1024]
     fixed = TrainedSettings.from_meta({"budgets": [24, 32], "windows": {"24": 8, "32": 8}})
     assert fixed.window == 8 and fixed.window_at(100) == 8
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "knorm", "kvpop", "kvpop-mlp+"])
+def test_a_chunk_after_steady_decode_equals_masked_reference(policy):
+    """The second turn of a chat that reuses the cache: prefill, decode into the steady state, then a
+    multi-token chunk (longer than the window, so it is split), then decode again."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = _unique_ids(120)
+    cache = KVpopCache(model.config, budget=20, window=6, sinks=2, policy=_policy(policy, model))
+    ref = MaskedReference(model, cache.eviction, _policy(policy, model))
+    expected = ref.run(ids)
+    with torch.no_grad():
+        outs = [model(ids[:, :30], past_key_values=cache).logits]
+        outs += [model(ids[:, i : i + 1], past_key_values=cache).logits for i in range(30, 70)]
+        assert cache.layers[0].min_real >= cache.budget  # the steady state was reached
+        outs.append(model(ids[:, 70:85], past_key_values=cache).logits)  # the next turn: 15 tokens at once
+        outs += [model(ids[:, i : i + 1], past_key_values=cache).logits for i in range(85, 120)]
+    torch.testing.assert_close(torch.cat(outs, 1), expected, rtol=1e-4, atol=1e-4)
+    for layer in range(2):
+        held = cache.layers[layer].slot_index[0]
+        for head in range(held.shape[0]):
+            assert set(held[head][held[head] >= 0].tolist()) == ref.held(layer, head, ids.shape[1] - 1)
+
+
+@pytest.mark.parametrize("policy", ["knorm", "h2o", "random", "kvpop+"])
+def test_physical_cache_with_a_recency_tilt_equals_masked_reference(policy):
+    """lam > 0 (priority r(t) + lam * t) through prefill chunks, the general decode and the steady step."""
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = _unique_ids(120)
+    cache = KVpopCache(model.config, budget=20, window=6, sinks=2, lam=0.05, policy=_policy(policy, model))
+    assert cache.eviction.lam == 0.05
+    ref = MaskedReference(model, cache.eviction, _policy(policy, model))
+    expected = ref.run(ids)
+    torch.testing.assert_close(_kvpop_logits(model, ids, cache, prefill=40), expected, rtol=1e-4, atol=1e-4)
+    for layer in range(2):
+        held = cache.layers[layer].slot_index[0]
+        for head in range(held.shape[0]):
+            assert set(held[head][held[head] >= 0].tolist()) == ref.held(layer, head, ids.shape[1] - 1)
+    # the tilt changed the decisions (else this test would not test it)
+    flat = KVpopCache(model.config, budget=20, window=6, sinks=2, lam=0.0, policy=_policy(policy, model))
+    _kvpop_logits(model, ids, flat, prefill=40)
+    assert not torch.equal(flat.layers[1].slot_index.sort(-1).values, cache.layers[1].slot_index.sort(-1).values)

@@ -31,7 +31,8 @@ def test_config_fingerprint_fields():
     fp = config_fingerprint(tiny_config("qwen3", num_hidden_layers=3))
     assert fp == {"model_type": "qwen3", "num_layers": 3, "q_heads": 4, "kv_heads": 2, "head_dim": 16,
                   "hidden_size": 64, "vocab_size": 128, "rope": {"rope_theta": 10000.0, "rope_type": "default"}}  # fmt: skip
-    assert set(model_fingerprint(tiny_model("qwen3"))) == set(fp) | {"weights_sha256", "weights_bf16_sha256"}
+    assert set(model_fingerprint(tiny_model("qwen3"))) == set(fp) | {"weights_sha256", "weights_bf16_sha256",
+                                                                  "weights_sampled_bf16_sha256"}
 
 
 def test_config_fingerprint_checked_without_the_model(tmp_path):
@@ -71,7 +72,7 @@ def test_weights_hash_does_not_depend_on_the_dtype(tmp_path):
     with pytest.raises(ScorerMismatchError, match="weights_bf16_sha256"):
         KVpopCache(other.config, policy="kvpop-mlp", path=path, model=other.to(torch.bfloat16), **KW)
     # a checkpoint from before the bfloat16 hash: only the float32 hash, so only a float32 model fits
-    old = {k: v for k, v in model_fingerprint(model).items() if k != "weights_bf16_sha256"}
+    old = {k: v for k, v in model_fingerprint(model).items() if k not in ("weights_bf16_sha256", "weights_sampled_bf16_sha256")}
     old_path = _scorer_for(model, tmp_path / "old.safetensors", fingerprint=old)
     KVpopCache(model.config, policy="kvpop-mlp", path=old_path, model=model, **KW)
     with pytest.raises(ScorerMismatchError, match="weights_sha256"):

@@ -11,8 +11,9 @@ An *adapter bundle* is a folder::
     scorer.safetensors                               optional scorer (kvpop.checkpoint.save_scorer)
     kvpop_adapter.json                               format, base-model fingerprint, user metadata
 
-It is written to a temporary folder next to the destination and renamed into place, so a
-failed save leaves an existing bundle intact. Loading it onto a base model other than the one
+It is written to a temporary folder next to the destination and swapped into place in one step
+(:func:`kvpop.files.atomic_dir`), so a failed or killed save leaves the old or the new bundle at
+the path, never none. Loading it onto a base model other than the one
 it was trained on raises :class:`AdapterMismatchError`.
 """
 
@@ -21,14 +22,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .checkpoint import fingerprint_diff, load_scorer, model_fingerprint, save_scorer
+import torch
+
+from .checkpoint import fingerprint_diff, load_scorer, model_fingerprint, read_tensors, save_scorer
+from .files import atomic_dir
 
 __all__ = [
     "ADAPTER_META_FILE",
@@ -38,6 +39,7 @@ __all__ = [
     "AdapterMismatchError",
     "add_lora",
     "base_fingerprint",
+    "check_adapter_bundle",
     "load_adapter_bundle",
     "lora_config",
     "read_bundle_meta",
@@ -139,37 +141,6 @@ def base_fingerprint(model) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def _atomic_dir(path: Path, write) -> None:
-    """``write(tmp_dir)``, then move ``tmp_dir`` to ``path`` (replacing a previous bundle there)."""
-    parent = path.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; a bundle should be as readable as any folder
-    try:
-        write(tmp)
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                os.chmod(f, 0o666 & ~umask)  # some writers (safetensors) create 0600 files
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if path.exists():
-            old = parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-            try:
-                os.rename(tmp, path)
-            except BaseException:
-                os.rename(old, path)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def save_adapter_bundle(peft_model, scorer=None, path: str | os.PathLike = "adapter", meta: dict | None = None) -> Path:
     """Write an adapter bundle to the folder ``path`` (atomically; see the module doc).
 
@@ -201,7 +172,7 @@ def save_adapter_bundle(peft_model, scorer=None, path: str | os.PathLike = "adap
             save_scorer(scorer, tmp / SCORER_FILE, meta={**meta, "fingerprint": fingerprint})
         (tmp / ADAPTER_META_FILE).write_text(text + "\n", encoding="utf-8")
 
-    _atomic_dir(path, write)
+    atomic_dir(path, write)
     return path
 
 
@@ -214,6 +185,28 @@ def read_bundle_meta(path: str | os.PathLike) -> dict[str, Any]:
     header = json.loads(f.read_text(encoding="utf-8"))
     if header.get("format") != FORMAT:
         raise ValueError(f"{f}: unknown adapter bundle format {header.get('format')!r}, expected {FORMAT!r}")
+    return header
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what peft's save_pretrained writes
+
+
+def check_adapter_bundle(path: str | os.PathLike) -> dict[str, Any]:
+    """The bundle's ``kvpop_adapter.json``, after checking that its files are there and readable and
+    its weights finite, so a broken bundle is one clear error before any model is loaded or touched
+    (peft would look for a missing file on the Hugging Face hub, and a truncated one raises a raw
+    ``SafetensorError``). The bundled scorer is checked when it loads (:func:`kvpop.checkpoint.load_scorer`)."""
+    path = Path(path)
+    header = read_bundle_meta(path)
+    for name in ADAPTER_FILES:
+        if not (path / name).is_file():
+            raise FileNotFoundError(f"adapter bundle {path} has no {name}; it is incomplete (copy the whole folder)")
+    tensors = read_tensors(path / ADAPTER_FILES[1])
+    bad = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:
+        raise ValueError(f"adapter bundle {path}: tensor {bad!r} holds NaN or infinite values; the bundle is corrupt")
+    if header.get("scorer") and not (path / header["scorer"]).is_file():
+        raise FileNotFoundError(f"adapter bundle {path} names a scorer {header['scorer']} that is not there")
     return header
 
 
@@ -231,7 +224,7 @@ def load_adapter_bundle(
     different base model.
     """
     path = Path(path)
-    header = read_bundle_meta(path)
+    header = check_adapter_bundle(path)
     if _is_peft(model):
         raise TypeError("load_adapter_bundle needs the plain base model; this one already carries a peft adapter")
     diff = fingerprint_diff(header.get("fingerprint", {}), base_fingerprint(model))

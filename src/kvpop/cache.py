@@ -34,6 +34,7 @@ from .config import (
 )
 from .policies import DEFAULT_POLICY, DENSE, LEARNED_POLICIES, ExitBatch, Policy, get_policy, map_state
 from .rule import NEVER, decide_chunk
+from .validate import check_cache_args
 
 _PENDING = "_kvpop_layer"
 
@@ -69,17 +70,27 @@ class KVpopLayer(CacheLayerMixin):
         self.obs_windows = tuple(policy.observation_windows(cfg.window)) if policy.needs_attention else ()
         self.policy_state = None
         self.model_config = None  # the (text) config whose attention must route through kvpop
+        self.kv_shape: tuple[int, int] | None = None  # (KV heads, head dim) of that config: checked at the first update
+        self.pending = False  # update() tagged keys that attend() has not consumed yet (KVpopCache.update checks it)
         self.seen = 0  # tokens fed to this layer, padding included (drives position ids)
         self.fast_decode = True  # single-token steps update the buffers in place (False: always the chunk path)
         self.timer: dict[str, float] | None = None  # set to {} to accumulate decode seconds per phase (benchmarks)
         self.compile = False  # compile the steady decode step (KVpopCache(compile=True), kvpop.fused.compiled)
         self.steady = True  # the fused steady decode step (False: always the general path, for tests)
         self._bound: _BoundStep | None = None  # the compiled steady step with this layer's tensors bound
+        self._ready: set[str] = set()  # fused steps compiled for this layer's current buffers (_fused)
         self._owned_state = None  # the policy state the fused step may update in place (see _attend_steady)
 
     # --- transformers' CacheLayerMixin -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
+        if self.kv_shape is not None and (h, d) != self.kv_shape:
+            raise ValueError(
+                f"this KVpop cache was built for {self.kv_shape[0]} KV heads of dim {self.kv_shape[1]}, but layer "
+                f"{self.layer_idx} of the model it runs in gives {h} KV heads of dim {d}: the cache was created from "
+                "another model's config. Create it from this model: KVpopCache(model.config, ...) or "
+                "kvpop.make_cache(model, ...)."
+            )
         cfg, dev = self.cfg, key_states.device
         n = cfg.budget
         # one extra "trash" slot at the end absorbs writes for padding tokens (no branching)
@@ -110,10 +121,12 @@ class KVpopLayer(CacheLayerMixin):
                 "bypassed. Create a new KVpopCache, which routes the model's attention again."
             )
         setattr(key_states, _PENDING, self)
+        self.pending = True
         return key_states, value_states
 
     def _views(self) -> None:
         self._bound = None  # new buffers: the bound step must neither use nor keep the old ones
+        self._ready = set()  # ... and the compiled steps are prepared for them again
         n, k = self.cfg.budget, self.cfg.k
         self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
         self.slot_index = self._slot_index[:, :, :n]
@@ -131,6 +144,7 @@ class KVpopLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.seen = 0
+        self.pending = False
         if self.is_initialized:
             self._k.zero_()
             self._v.zero_()
@@ -180,6 +194,7 @@ class KVpopLayer(CacheLayerMixin):
         scaling: float,
     ) -> torch.Tensor:
         """Insert the chunk under the rule and attend; returns ``[b, q_len, q_heads, d]``."""
+        self.pending = False
         b, _, c, _ = query.shape
         if valid is not None and (self.layer_idx == 0 or c > 1):  # every layer of a step gets the same mask: check it once
             _check_padding(valid, self.n_real)
@@ -217,7 +232,7 @@ class KVpopLayer(CacheLayerMixin):
         bound = self._bound
         if (bound is not None and bound.scaling == scaling and bound.state is self.policy_state
                 and bound.observed is self.observed and self.compile
-                and (bound.kernel is None or bound.kernel is pol.decode_kernel(self.layer_idx, self.cfg.window))
+                and (bound.kernel is None or bound.kernel is pol.decode_kernel(self.layer_idx, self.cfg.window, self.device))
                 and bound.step.fits(q, k_new, v_new)):  # t is n_real: this layer's own tensor
             # the repeated step: only the new token's tensors change (see kvpop.fused.Bound)
             out, self.n_real = bound.step(q, k_new, v_new, t)
@@ -227,7 +242,7 @@ class KVpopLayer(CacheLayerMixin):
             return out
         spec = self._step_spec(scaling)
         obs = self.observed if pol.needs_attention else None
-        kernel = pol.decode_kernel(self.layer_idx, self.cfg.window)
+        kernel = pol.decode_kernel(self.layer_idx, self.cfg.window, self.device)
         args = (q, k_new, v_new, self._k, self._v, self._slot_index, self._lr_prio, obs, t)
         steady = None if kernel is not None else pol.steady_score(self.layer_idx, q.device)
         if kernel is not None or steady is not None:
@@ -283,18 +298,35 @@ class KVpopLayer(CacheLayerMixin):
         return spec
 
     def _fused(self, name: str, *args):
-        """``kvpop.fused.<name>(*args)``, compiled when ``self.compile``; a compiler that fails here
-        turns compilation off for the whole process (``fused.COMPILE_ERROR``) with one warning (the
-        eager function gives the same result)."""
-        fn = getattr(fused, name)
+        """``kvpop.fused.<name>(*args)``, compiled when ``self.compile``.
+
+        Only a failure to compile falls back to the eager function, and only before the step wrote
+        anything: the layer first has the step compiled for these inputs (``prepare``: compiling and a
+        first run on copies of the inputs, one compilation at a time in the process), then runs it.
+        An error of the compiled step itself (a shape bug, out of memory) propagates: its in-place
+        writes may have happened, and an eager rerun would apply them twice. When the eager step then
+        succeeds, the compiler is what failed: compilation is turned off for the process
+        (``fused.COMPILE_ERROR``) with one warning; when it fails too, its error is raised and
+        compilation stays on.
+        """
         if self.compile and fused.COMPILE_ERROR is None:
             try:
-                return fused.compiled(name, self.device.type)(*args)
-            except Exception as exc:  # noqa: BLE001 (no C++ compiler, an unsupported platform, ...: any failure)
-                fused.COMPILE_ERROR = f"{type(exc).__name__}: {exc}"  # no other layer or cache tries again
-                warnings.warn(f"compiling the decode step failed ({fused.COMPILE_ERROR}); running it eagerly",
-                              RuntimeWarning, stacklevel=3)
-        return fn(*args)
+                step = fused.compiled(name, self.device.type)
+                if name not in self._ready:  # once per layer and set of buffers (reset by _views)
+                    prepare = getattr(step, "prepare", None)
+                    if prepare is not None:
+                        prepare(args)
+                    self._ready.add(name)
+            except Exception as exc:  # noqa: BLE001 (no C++ compiler, an unsupported platform, ...: nothing written yet)
+                out = getattr(fused, name)(*args)  # an error here is the step's own, not the compiler's
+                with fused.COMPILE_LOCK:
+                    if fused.COMPILE_ERROR is None:
+                        fused.COMPILE_ERROR = f"{type(exc).__name__}: {exc}"  # no other layer or cache tries again
+                        warnings.warn(f"compiling the decode step failed ({fused.COMPILE_ERROR}); running it eagerly",
+                                      RuntimeWarning, stacklevel=3)
+                return out
+            return step(*args)
+        return getattr(fused, name)(*args)
 
     def _attend_decode(self, q, k_new, v_new, scaling):
         """One new token per row, all rows real: in-place update of the fixed buffers, attention over B slots.
@@ -554,6 +586,11 @@ def _source(policy: Policy) -> str:
     return f"scorer {source}" if source else f"policy {policy.name}"
 
 
+def _layers_used(layers) -> int:
+    """How many leading layers saw as many tokens as layer 0 (those the model runs)."""
+    return next((i for i, layer in enumerate(layers) if layer.seen != layers[0].seen), len(layers))
+
+
 def _check_padding(valid: torch.Tensor, n_real: torch.Tensor) -> None:
     """Only left padding: a row's padding must come before any of its real tokens."""
     started = (n_real > 0).unsqueeze(1) | (valid.long().cumsum(1) > 0)
@@ -607,6 +644,11 @@ class KVpopCache(Cache):
         check_full_attention(config)
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}")
+        # each argument's type and range, before a scorer loads (integral numbers such as numpy.int64 become int)
+        a = check_cache_args(budget=budget, k=k, compression=compression, reference_length=reference_length,
+                             window=window, sinks=sinks, lam=lam, prefill_chunk=prefill_chunk)  # fmt: skip
+        budget, k, compression, reference_length = a["budget"], a["k"], a["compression"], a["reference_length"]
+        window, sinks, lam, prefill_chunk = a["window"], a["sinks"], a["lam"], a["prefill_chunk"]
         if eviction is not None and any(v is not None for v in (budget, k, compression, reference_length, window)):
             raise ValueError("give either eviction=EvictionConfig(...) or budget/k/compression/window, not both")
         if isinstance(policy, str) and policy in LEARNED_POLICIES:
@@ -632,14 +674,65 @@ class KVpopCache(Cache):
                 prefill_chunk=eviction.prefill_chunk,
             )
         pol.validate(config, eviction)
+        limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+        if limit is not None and eviction.budget > limit:
+            raise ValueError(
+                f"budget={eviction.budget} exceeds the model's position limit max_position_embeddings={limit}: the "
+                f"cache would allocate {eviction.budget} slots per KV head and never evict. Use a budget <= {limit}, "
+                "or policy='dense'."
+            )
         self.eviction, self.policy = eviction, pol
-        num_layers = attention_shape(config).num_layers
-        super().__init__(layers=[KVpopLayer(eviction, pol, i) for i in range(num_layers)])
+        shape = attention_shape(config)
+        super().__init__(layers=[KVpopLayer(eviction, pol, i) for i in range(shape.num_layers)])
         attach(config)
         text = config.get_text_config(decoder=True)
         for layer in self.layers:
             layer.model_config = text
+            layer.kv_shape = (shape.kv_heads, shape.head_dim)
             layer.compile = compile
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """``Cache.update``, after checking that the model this cache runs in is the one it was made for.
+
+        Creating a cache routes the attention of the model that owns ``config`` (that config object)
+        through kvpop; another model instance, even with the same weights, still runs its own attention,
+        which would leave the cache empty and the outputs wrong without an error. So each layer's update
+        checks that the previous layer's tagged keys were consumed by the kvpop attention (layer 0
+        checks the last layer's, from the previous forward), and the layer count is checked (the
+        checks read a few attributes: no device work). ``use_cache=False`` is refused at layer 0, before
+        anything is inserted.
+        """
+        layers = self.layers
+        if layer_idx == 0 and kwargs and (kwargs.get("kwargs") or {}).get("use_cache") is False:
+            raise ValueError(
+                "use_cache=False with a KVpop cache: the model would feed the whole sequence through the cache at "
+                "every step (neither dense nor bounded attention). Drop use_cache=False, or drop the cache for a "
+                "dense run without one."
+            )
+        if layer_idx >= len(layers):
+            raise ValueError(
+                f"this KVpop cache has {len(layers)} layers but the model asks for layer {layer_idx}: the cache was "
+                "created from another model's config. Create it from this model: KVpopCache(model.config, ...) or "
+                "kvpop.make_cache(model, ...)."
+            )
+        prev = layers[layer_idx - 1]
+        if prev.pending:
+            prev.pending = False  # one error, not one per later call
+            raise RuntimeError(
+                f"layer {prev.layer_idx}'s attention did not run through the KVpop cache: the model's attention "
+                "implementation is not the 'kvpop' one this cache installed, so the cache was created from another "
+                "model's config (KVpopCache(config) routes only the model that owns that config object; a second "
+                "copy of the same model is another model). Create the cache from this model: "
+                "KVpopCache(model.config, ...) or kvpop.make_cache(model, ...)."
+            )
+        if layer_idx == 0 and prev.seen != layers[0].seen:
+            raise ValueError(
+                f"this KVpop cache has {len(layers)} layers, but its layer {prev.layer_idx} saw {prev.seen} tokens "
+                f"and layer 0 saw {layers[0].seen}: the model uses only {_layers_used(layers)} of them (the cache was "
+                "created from another model's config), or an earlier forward failed midway. Create a new cache "
+                "from this model: KVpopCache(model.config, ...) or kvpop.make_cache(model, ...)."
+            )
+        return layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
     @property
     def budget(self) -> int:

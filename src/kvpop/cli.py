@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .policies import DEFAULT_POLICY, KIND_TO_POLICY, policy_names
+from .validate import check_cache_args
 
 EVICTION_POLICIES = policy_names(teacher_forced=False)  # dense + every policy that can generate
 BENCHMARKS = ("targets", "generate", "overhead", "prefill", "gpu")
@@ -96,6 +97,7 @@ def cmd_info(args) -> int:
     from .config import EvictionConfig
     from .models import model_summary
 
+    _check_args(args)
     model, _ = load_model_quietly(args.model)
     summary = model_summary(model.config, dtype=torch.float32)
     # the split a cache with this policy would use (a learned scorer's trained window and lam)
@@ -131,11 +133,34 @@ def _read_prompt(args) -> str:
     if args.demo_prompt:
         return demo_prompt()
     if args.prompt_file is not None:
-        if args.prompt_file == "-":
-            return sys.stdin.read()
-        with open(args.prompt_file, encoding="utf-8") as f:
-            return f.read()
+        try:
+            text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--prompt-file {args.prompt_file}: {getattr(exc, 'strerror', None) or exc}") from exc
+        if not text.strip():
+            raise ValueError(f"--prompt-file {args.prompt_file} is empty")
+        return text
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give some text")
     return args.prompt
+
+
+def _check_args(args) -> None:
+    """The arguments a command can check alone, before the model loads (one line, exit code 2)."""
+    kw = _cache_kwargs(args)
+    try:
+        check_cache_args(**kw)
+        if kw.get("budget") is not None and kw.get("window") is not None and kw["budget"] < kw["sinks"] + kw["window"]:
+            raise ValueError(f"budget={kw['budget']} is smaller than sinks + window = {kw['sinks']} + {kw['window']}")
+        if kw.get("compression") is not None:
+            from .config import budget_of_compression
+
+            budget_of_compression(kw["compression"], kw["reference_length"])
+    except (TypeError, ValueError) as exc:  # "reference_length must be ..." -> "--reference-length must be ..."
+        name, _, rest = str(exc).partition(" ")
+        raise ValueError(f"--{name.replace('_', '-')} {rest}" if name in kw else str(exc)) from exc
+    if getattr(args, "max_new_tokens", 1) < 1:
+        raise ValueError(f"--max-new-tokens must be a positive int, got {args.max_new_tokens}")
 
 
 def _generate_adapter(args, policy: str):
@@ -178,6 +203,8 @@ def cmd_generate(args) -> int:
     adapter = _generate_adapter(args, policy)
     if adapter is not None and args.policy is None and args.scorer is None:
         policy = _bundle_policy(adapter, policy)  # the bundle's scorer decides (an MLP bundle serves kvpop-mlp)
+    if policy != "dense":
+        _check_args(args)
     prompt = _read_prompt(args)
     t0 = time.perf_counter()
     # LoRA merged into the weights: the same model, no adapter layers on the decode path

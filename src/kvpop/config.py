@@ -113,6 +113,8 @@ class EvictionConfig:
             raise ValueError(f"window must be >= 1 (the newest token is always in the window), got {self.window}")
         if self.k < 0:
             raise ValueError(f"k (long-range slots) must be >= 0, got {self.k}")
+        if isinstance(self.lam, bool) or not isinstance(self.lam, (int, float)):
+            raise TypeError(f"EvictionConfig.lam must be a number, got {self.lam!r}")
         if not math.isfinite(self.lam) or self.lam < 0:
             raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
         if self.prefill_chunk is not None and not (1 <= self.prefill_chunk <= self.window):

@@ -16,6 +16,7 @@ Tests hold both paths, eager and compiled, to the general one.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +25,18 @@ from torch import Tensor
 from . import rule
 from .scorers.decode import DecodeSpec, decode_scores
 
-__all__ = ["COMPILE_ERROR", "Bound", "Direct", "StepSpec", "compiled", "exit_gather", "steady_learned", "steady_scored", "steady_tail"]
+__all__ = ["COMPILE_ERROR", "COMPILE_LOCK", "Bound", "CompileFailed", "Direct", "Dynamo", "StepSpec", "compiled",
+           "exit_gather", "steady_learned", "steady_scored", "steady_tail"]
 
 COMPILE_ERROR: str | None = None  # set by the first failed compile: the process then runs these eagerly
+# One compilation at a time in the process: make_fx's tracer patches module globals and dynamo keeps
+# per-process state, so two threads compiling at once failed (3 runs in 7: "CURRENT_PATCHER is None").
+COMPILE_LOCK = threading.RLock()
+
+
+class CompileFailed(RuntimeError):
+    """The compiler (or the compiled step's first run, on copies of its inputs) failed: nothing the
+    caller holds was written, so the eager step may run instead."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,7 @@ def compiled(fn_name: str, device_type: str = "cpu"):
     """
     fn = {"steady_tail": steady_tail, "steady_learned": steady_learned, "steady_scored": steady_scored}[fn_name]
     if device_type != "cpu":
-        return torch.compile(fn, dynamic=False, fullgraph=True)
+        return Dynamo(fn)
     # a C++ wrapper (less Python per call) and single-threaded kernels: the tensors of one decode
     # step are too small for a parallel region to pay for itself (measured: ~25 us less per layer
     # at 2 threads); the matmuls still use torch's threads. Memory planning: the ~25 intermediates
@@ -174,6 +184,16 @@ def _template(items) -> tuple[tuple, list[Tensor]]:
         else:
             template.append(a)
     return tuple(template), tensors
+
+
+def _layout_key(template: tuple, tensors) -> tuple:
+    """What a compiled graph is specialised on: the constants and each tensor's device, dtype, shape and strides."""
+    return template, tuple((t.device, t.dtype, t.shape, t.stride()) for t in tensors)
+
+
+def _copies(tensors) -> list[Tensor]:
+    """Copies with the same shapes and strides (a trial run writes to these, not to the caller's tensors)."""
+    return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t) for t in tensors]
 
 
 def _records_grad(tensors) -> bool:
@@ -230,6 +250,13 @@ class Direct:
         run, out_template = self._graph(template, tensors)
         return tuple(_fill(out_template, run(*tensors)))
 
+    def prepare(self, args: tuple) -> None:
+        """Compile the graph for ``args`` now, if it is new: raises :class:`CompileFailed` (having written
+        nothing) when that fails, so a caller can tell a compile failure from an error of the step."""
+        template, tensors = _template(args)
+        if not _records_grad(tensors):
+            self._graph(template, tensors)
+
     def bind(self, args: tuple, dynamic: tuple[Tensor, ...]) -> Bound | None:
         """The graph for ``args`` with everything but the ``dynamic`` tensors (which must each be
         one of the tensors in ``args``, once) fixed, for a caller that repeats the call with only
@@ -247,14 +274,21 @@ class Direct:
         return Bound(run, tensors, positions)
 
     def _graph(self, template: tuple, tensors: list[Tensor]):
-        """``(run, out_template)`` for this layout, compiled on first use."""
-        key = (template, tuple((t.device, t.dtype, t.shape, t.stride()) for t in tensors))
+        """``(run, out_template)`` for this layout, compiled on first use (one compilation at a time in
+        the process: :data:`COMPILE_LOCK`)."""
+        key = _layout_key(template, tensors)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = self._build(template, tensors)
+            with COMPILE_LOCK:
+                graph = self.graphs.get(key)  # another thread may have compiled it meanwhile
+                if graph is None:
+                    graph = self.graphs[key] = self._build(template, tensors)
         return graph
 
     def _build(self, template: tuple, tensors: list[Tensor]):
+        """Trace and compile; then run the graph once on copies of ``tensors``, so that a failure of
+        the compiled code's first run also surfaces here, before any of the caller's tensors is written.
+        Any failure is a :class:`CompileFailed`."""
         out = {}
 
         def flat(*ts):
@@ -262,10 +296,42 @@ class Direct:
             out["template"], leaves = _template(result)
             return leaves
 
-        with torch.no_grad():
-            gm = self._make_fx(flat, tracing_mode="fake")(*tensors)
-            run = self._compile_fx(gm, list(tensors), config_patches=self.options)
+        try:
+            with torch.no_grad():
+                gm = self._make_fx(flat, tracing_mode="fake")(*tensors)
+                run = self._compile_fx(gm, list(tensors), config_patches=self.options)
+                run(*_copies(tensors))
+        except Exception as exc:
+            raise CompileFailed(f"{type(exc).__name__}: {exc}") from exc
         return run, out["template"]
+
+
+class Dynamo:
+    """``torch.compile(fn, dynamic=False, fullgraph=True)`` (devices other than the CPU: Triton kernels
+    on CUDA), with :meth:`prepare` as :class:`Direct`'s: a caller compiles a new input layout under
+    :data:`COMPILE_LOCK` with a first run on copies of the inputs, before the step touches its own
+    tensors, and then calls the compiled function directly (no per-call work added here)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = torch.compile(fn, dynamic=False, fullgraph=True)
+        self.ready: set = set()
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def prepare(self, args: tuple) -> None:
+        template, tensors = _template(args)
+        key = _layout_key(template, tensors)
+        if key in self.ready:
+            return
+        with COMPILE_LOCK:
+            if key in self.ready:
+                return
+            try:
+                self.fn(*_fill(template, _copies(tensors)))
+            except Exception as exc:
+                raise CompileFailed(f"{type(exc).__name__}: {exc}") from exc
+            self.ready.add(key)
 
 
 class Bound:

@@ -17,6 +17,10 @@ from transformers.generation.streamers import BaseStreamer
 from .cache import KVpopCache, make_cache
 from .models import kv_bytes_per_token
 from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy
+from .validate import check_cache_args, check_int, check_prompts
+
+# generate() options that crop the cache after verifying draft tokens (transformers' assisted decoding)
+CROPPING = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
 
 
 @dataclass
@@ -101,11 +105,19 @@ def generate(
     """
     if isinstance(policy, str) and policy != DENSE and policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {DENSE}, {', '.join(sorted(POLICIES))}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ValueError("prompt must be a string or a non-empty list of strings")
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1, optional=False)
+    if generate_kwargs.get("use_cache") is False and policy != DENSE:
+        raise ValueError("use_cache=False cannot run with a KVpop cache (the whole sequence would go through it at "
+                         "every step); drop it, or use policy='dense'")
+    cropping = [name for name in CROPPING if generate_kwargs.get(name) is not None]
+    if cropping and policy != DENSE:
+        raise ValueError(f"{cropping[0]} (assisted decoding / prompt lookup) rolls the cache back after rejected draft "
+                         "tokens, and a KVpop cache cannot be rolled back (evicted tokens are gone); drop it, or use "
+                         "policy='dense'")  # fmt: skip
+    prompts = check_prompts(prompt)
+    if policy != DENSE:  # each budget argument alone, before anything is built (make_cache checks how they combine)
+        check_cache_args(budget=budget, k=k, compression=compression, reference_length=reference_length,
+                         window=window, sinks=sinks, lam=lam)  # fmt: skip
     if len(prompts) > 1 and tokenizer.padding_side != "left":
         raise ValueError(
             f"batched prompts need tokenizer.padding_side='left' (got {tokenizer.padding_side!r}): "
@@ -134,6 +146,11 @@ def generate(
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=not chat)
     enc = {name: t.to(model.device) for name, t in enc.items()}
     n_prompt = enc["input_ids"].shape[1]
+    mask = enc.get("attention_mask")
+    no_tokens = [i for i in range(len(prompts)) if n_prompt == 0 or (mask is not None and not bool(mask[i].any()))]
+    if no_tokens:
+        raise ValueError(f"prompt{'' if isinstance(prompt, str) else f' item {no_tokens[0]}'} has no tokens after "
+                         "tokenization; give some text")
     total = n_prompt + max_new_tokens
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if limit is not None and total > limit and not allow_position_overflow:

@@ -448,6 +448,10 @@ def load_model(
         from .checkpoint import default_adapter_path
 
         adapter = default_adapter_path()
+    if adapter is not None:
+        from .adapters import check_adapter_bundle
+
+        check_adapter_bundle(adapter)  # a missing or broken bundle is an error before the model loads
     if kind == "gguf":
         path = convert_gguf(path, progress=progress)
     model, tokenizer = _load_folder(path, dtype, device, progress)

@@ -10,6 +10,7 @@ import sys
 import torch.distributed as dist
 
 from ..adapters import DEFAULT_LORA_TARGETS
+from ..files import json_safe
 from ..train.cli import budget_range_arg
 from ..train.config import TRAIN_CORPORA
 from .config import KL_POSITIONS, KL_TAILS, MASKS, AdaptConfig
@@ -97,14 +98,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         summary = adapt(cfg)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # OSError: an unwritable --out, a full disk (the last checkpoint kept)
         print(f"kvpop adapt: error: {exc}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         last_val = next((h["val"] for h in reversed(summary["history"]) if "val" in h), None)
-        print(json.dumps({"best": summary["best"], "tokens_seen": summary["tokens_seen"],
-                          "seconds": summary["seconds_this_process"], "peak_rss_mib": summary["peak_rss_mib"],
-                          "baseline": _short(summary.get("baseline")), "last_validation": _short(last_val)},
+        print(json.dumps(json_safe({"best": summary["best"], "tokens_seen": summary["tokens_seen"],
+                                    "seconds": summary["seconds_this_process"], "peak_rss_mib": summary["peak_rss_mib"],
+                                    "baseline": _short(summary.get("baseline")), "last_validation": _short(last_val)}),
                          indent=1))  # fmt: skip
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..adapters import add_lora, lora_config, save_adapter_bundle, teacher_mode
-from ..checkpoint import atomic_write, fingerprint_diff, load_scorer, model_fingerprint
+from ..checkpoint import fingerprint_diff, load_scorer, model_fingerprint
+from ..files import atomic_write, check_writable_dir, clean_leftovers, write_json
 from ..mask import learned_priority_fn, masked_eviction
 from ..train.data import Example, SequenceSource, capture_example
 from ..train.labels import labels_for, layer_loss
@@ -294,8 +295,9 @@ def save_bundle(model, scorer, path: Path, cfg: AdaptConfig, step: int, tokenize
     meta = bundle_meta(cfg, step, quality)
     if not cfg.full_finetune:
         return save_adapter_bundle(model, scorer, path, meta)
-    from ..adapters import SCORER_FILE, _atomic_dir
+    from ..adapters import SCORER_FILE
     from ..checkpoint import save_scorer
+    from ..files import atomic_dir
 
     fingerprint = model_fingerprint(model)  # the scorer serves this fine-tuned model
 
@@ -309,7 +311,7 @@ def save_bundle(model, scorer, path: Path, cfg: AdaptConfig, step: int, tokenize
 
     if path.exists() and any(path.iterdir()) and not (path / FULL_META_FILE).is_file():
         raise FileExistsError(f"{path} exists and is not a kvpop fine-tuned model folder; refusing to replace it")
-    _atomic_dir(path, write)
+    atomic_dir(path, write)
     return path
 
 
@@ -342,6 +344,9 @@ def adapt(cfg: AdaptConfig, model=None, tokenizer=None) -> dict:
         if diff:
             raise ValueError(f"{out} holds a run with other settings; use another --out or the same settings ("
                              + "; ".join(diff) + ")")  # fmt: skip
+    if rank == 0:
+        check_writable_dir(out)  # before the model loads: an unwritable --out is an error, not a traceback later
+        clean_leftovers(out)  # temporary files and folders of a killed run (an unfinished bundle swap is undone)
     if model is None:
         from ..models import load_model
 
@@ -479,7 +484,6 @@ def adapt(cfg: AdaptConfig, model=None, tokenizer=None) -> dict:
         bar.set_postfix(kl=f"{rec['kl']:.4f}", s_loss="-" if s_loss is None else f"{s_loss:.3f}")
         bar.update(1)
         if rank == 0 and (step % cfg.ckpt_every == 0 or step == cfg.steps):
-            save_bundle(model, scorer, out / "adapter", cfg, step, tokenizer, last_quality)
             state = {
                 "trainable": {n: p.detach().cpu().clone() for n, p in trainable(model)},
                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
@@ -490,7 +494,12 @@ def adapt(cfg: AdaptConfig, model=None, tokenizer=None) -> dict:
                 "resume": cfg.resume_view(), "fingerprint": fingerprint,
                 "baseline": summary_extra.get("baseline"),
             }  # fmt: skip
-            atomic_write(state_file, lambda tmp, state=state: torch.save(state, tmp))
+            try:  # the state (what a resume reads) first: a failed write of either leaves a resumable run
+                atomic_write(state_file, lambda tmp, state=state: torch.save(state, tmp))
+                save_bundle(model, scorer, out / "adapter", cfg, step, tokenizer, last_quality)
+            except OSError as exc:
+                raise OSError(exc.errno, f"writing the step-{step} checkpoint to {out} failed ({exc.strerror or exc}); "
+                              f"{state_file.name} and adapter/ there are each whole (resume reads the former)") from exc
         if world > 1:
             dist.barrier()
         if cfg.stop_after is not None and step >= cfg.stop_after:
@@ -504,5 +513,5 @@ def adapt(cfg: AdaptConfig, model=None, tokenizer=None) -> dict:
         **summary_extra,
     }  # fmt: skip
     if rank == 0:
-        atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1, default=str)))
+        write_json(out / "summary.json", summary)  # strict JSON: no best retention yet is null, not -Infinity
     return summary

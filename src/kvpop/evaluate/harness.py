@@ -8,7 +8,7 @@ From Python::
 
 ``documents`` (token ids per named source) replaces the built-in corpora; every such source is
 in domain ``"user"``. Without it, the test splits of the named corpora are used, in domain
-``"in_domain"`` (:data:`IN_DOMAIN`, the corpora the shipped scorer trained on) or
+``"in_domain"`` (the corpora the evaluated scorer was trained on: :func:`in_domain_corpora`) or
 ``"out_of_domain"``. Needle and multi-key cases use Paul Graham essays as filler (``filler=``
 another text: domain ``"user"``).
 
@@ -41,7 +41,7 @@ from .tasks import DEFAULT_TASKS, TASKS, TEXT_TASKS, multikey_cases, needle_case
 
 
 def _shipped_training_corpora() -> tuple[str, ...]:
-    """In-domain = the corpora the shipped scorer was trained on (read from its checkpoint)."""
+    """The corpora the shipped scorers were trained on (read from their checkpoints; () if none can be read)."""
     from ..checkpoint import DEFAULT_SCORERS, read_header
 
     for path in DEFAULT_SCORERS.values():
@@ -51,10 +51,10 @@ def _shipped_training_corpora() -> tuple[str, ...]:
             continue
         if corpora:
             return tuple(corpora)
-    return ("shakespeare", "paul_graham", "wikipedia")  # what `kvpop train` uses by default
+    return ()
 
 
-IN_DOMAIN = _shipped_training_corpora()
+IN_DOMAIN = _shipped_training_corpora()  # the shipped scorers'; a run labels domains by in_domain_corpora
 RESUME_HINT = "rerun the same command to continue"  # ends a session's note when it stopped with units left
 SCHEMA_VERSION = 2
 
@@ -127,12 +127,61 @@ def quick_config(**overrides) -> EvalConfig:
 # ------------------------------------------------------------------------------ documents
 
 
-def _domain(corpus: str) -> str:
-    return "in_domain" if corpus in IN_DOMAIN else "out_of_domain"
+def scorer_corpora(model, policy: str, kwargs: dict) -> tuple[tuple[str, ...] | None, str]:
+    """``(corpora, source)``: what the scorer that learned ``policy`` runs on ``model`` was trained on
+    (None: it does not say), found the way the policy factory finds the scorer: ``path=`` a
+    checkpoint, else the scorer of the adapter bundle ``model`` was loaded with, else the shipped one."""
+    from ..checkpoint import DEFAULT_SCORERS, read_header
+    from ..policies.learned import KIND_TO_POLICY
+
+    if kwargs.get("scorer") is not None:
+        return None, "a scorer given in memory"
+    path = kwargs.get("path")
+    kind = {v: k for k, v in KIND_TO_POLICY.items()}[policy]
+    bundle = getattr(model, "kvpop_adapter", None)
+    if path is None and bundle is not None and bundle.scorer is not None and bundle.scorer.config.kind == kind:
+        corpora = (bundle.meta.get("meta") or {}).get("corpora")
+        return (None if corpora is None else tuple(corpora)), f"{bundle.path} (adapter bundle)"
+    path = path or DEFAULT_SCORERS[kind]
+    corpora = read_header(path).get("meta", {}).get("corpora")
+    return (None if corpora is None else tuple(corpora)), str(path)
 
 
-def corpus_documents(tokenizer, cfg: EvalConfig, notes: list[str]) -> list[tuple[str, str, list[Tensor]]]:
-    """``[(domain, corpus, [ids...])]`` from the test splits of the corpora."""
+def in_domain_corpora(model, cfg: EvalConfig, notes: list[str]) -> tuple[str, ...]:
+    """The corpora that count as in domain: those the evaluated learned scorer was trained on (policy
+    ``kvpop``'s, else ``kvpop-mlp``'s; with ``--scorer`` that checkpoint's, not the shipped one's).
+    A run of heuristics only uses the shipped mLSTM scorer's, so it lines up with runs that include
+    it. When the other evaluated scorer was trained on other corpora, a note says so."""
+    learned = [p for p in ("kvpop", "kvpop-mlp") if p in cfg.policies] or ["kvpop"]
+    found = []
+    for p in learned:
+        try:
+            corpora, source = scorer_corpora(model, p, dict((cfg.policy_kwargs or {}).get(p, {})))
+        except (FileNotFoundError, ValueError) as exc:
+            notes.append(f"in/out of domain: cannot read the corpora of {p}'s scorer ({exc})")
+            continue
+        found.append((p, corpora, source))
+    if not found or found[0][1] is None:
+        why = "it does not record them" if found else "no scorer could be read"
+        notes.append(f"every corpus is out of domain: the training corpora of the evaluated scorer are unknown ({why})")
+        return ()
+    policy, corpora, source = found[0]
+    for p, other, src in found[1:]:
+        if other is None or set(other) != set(corpora):
+            notes.append(f"in domain = the corpora {policy}'s scorer ({source}) was trained on: {', '.join(corpora)}; "
+                         f"{p}'s scorer ({src}) was trained on {', '.join(other) if other else 'unrecorded corpora'}")
+    return corpora
+
+
+def _domain(corpus: str, in_domain: tuple[str, ...]) -> str:
+    return "in_domain" if corpus in in_domain else "out_of_domain"
+
+
+def corpus_documents(tokenizer, cfg: EvalConfig, notes: list[str],
+                     in_domain: tuple[str, ...] | None = None) -> list[tuple[str, str, list[Tensor]]]:  # fmt: skip
+    """``[(domain, corpus, [ids...])]`` from the test splits of the corpora (in domain: ``in_domain``,
+    by default the shipped scorers' corpora, :data:`IN_DOMAIN`)."""
+    in_domain = IN_DOMAIN if in_domain is None else tuple(in_domain)
     from ..data import list_corpora, long_documents
 
     out = []
@@ -148,7 +197,7 @@ def corpus_documents(tokenizer, cfg: EvalConfig, notes: list[str]) -> list[tuple
             continue
         if len(docs) < cfg.docs:
             notes.append(f"corpus {name!r}: only {len(docs)} test document(s) of {cfg.doc_tokens} tokens")
-        out.append((_domain(name), name, docs))
+        out.append((_domain(name, in_domain), name, docs))
     return out
 
 
@@ -208,14 +257,15 @@ def unavailable_message(bad: dict[str, str]) -> str:
 # ------------------------------------------------------------------------------ items
 
 
-def build_items(tokenizer, cfg: EvalConfig, notes: list[str], documents=None, filler=None) -> list[Item]:
+def build_items(tokenizer, cfg: EvalConfig, notes: list[str], documents=None, filler=None,
+                in_domain: tuple[str, ...] | None = None) -> list[Item]:  # fmt: skip
     items: list[Item] = []
     tasks = set(cfg.tasks)
     if tasks & set(TEXT_TASKS):
         if documents is not None:
             sources = [("user", name, [d.view(-1).cpu() for d in ds]) for name, ds in documents.items()]
         else:
-            sources = corpus_documents(tokenizer, cfg, notes)
+            sources = corpus_documents(tokenizer, cfg, notes, in_domain)
         for dom, corpus, docs in sources:
             for i, d in enumerate(docs):
                 if tasks & {"lm", "continuation"}:
@@ -333,7 +383,8 @@ def run_eval(
         _, done_units, _ = load_dirs([out])
         store.records = {u["key"]: u for u in done_units}
 
-    items = build_items(tokenizer, cfg, notes, documents, filler)
+    in_domain = in_domain_corpora(model, cfg, notes) if documents is None else ()
+    items = build_items(tokenizer, cfg, notes, documents, filler, in_domain)
     settings = Settings(
         sinks=cfg.sinks, window=cfg.window, window_fraction=cfg.window_fraction, lam=cfg.lam,
         longdep_threshold=cfg.longdep_threshold,
@@ -403,7 +454,8 @@ def run_eval(
             "finished": _dt.datetime.now().isoformat(timespec="seconds"), "wall_s": time.perf_counter() - t_start,
             "interrupted": interrupted, "tasks": list(cfg.tasks), "policies": policies, "budgets": budgets,
             "skipped_policies": skipped, "notes": notes, "units_run": ran, "units_done_before": n_done,
-            "units_remaining": remaining, "threads": torch.get_num_threads(), "python": platform.python_version(),
+            "units_remaining": remaining, "in_domain": list(in_domain),
+            "threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__,
         }  # fmt: skip
         store.add_session(session)
@@ -461,7 +513,7 @@ def build_results(units: list[dict], sessions: list[dict], fp: dict, cfg: EvalCo
         "schema_version": SCHEMA_VERSION,
         "config": {**fp, **({"selection": _clean(asdict(cfg))} if cfg is not None else {})},
         "model": fp.get("model"),
-        "in_domain": list(IN_DOMAIN),
+        "in_domain": _in_domain_of(sessions, units),
         "policies": policies,
         "skipped_policies": skipped,
         "notes": notes,
@@ -471,6 +523,15 @@ def build_results(units: list[dict], sessions: list[dict], fp: dict, cfg: EvalCo
         "wall_s": sum(s.get("wall_s", 0.0) for s in sessions),
         "unit_wall_s": sum((u.get("wall_s") or 0.0) + (u.get("shared_wall_s") or 0.0) for u in units),
     }
+
+
+def _in_domain_of(sessions: list[dict], units: list[dict]) -> list[str]:
+    """The in-domain corpora a run's sessions used (the latest that says; older sessions did not
+    record it: then the corpora of the units labelled in domain)."""
+    for s in reversed(sessions):
+        if s.get("in_domain") is not None:
+            return list(s["in_domain"])
+    return sorted({u["source"] for u in units if u.get("domain") == "in_domain"})
 
 
 _TASK_KINDS = {"lm": "doc", "continuation": "doc", "needle": "needle", "multikey": "multikey", "agreement": "agreement"}

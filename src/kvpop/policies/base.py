@@ -107,9 +107,10 @@ class Policy:
     def score(self, state: State, batch: ExitBatch) -> tuple[State, torch.Tensor]:
         raise NotImplementedError
 
-    def decode_kernel(self, layer_idx: int, window: int) -> tuple | None:
+    def decode_kernel(self, layer_idx: int, window: int, device: torch.device | None = None) -> tuple | None:
         """Optional: ``(DecodeSpec, params)`` of ``kvpop.scorers.decode`` to score the decode steady
-        state inside the cache's fused (optionally compiled) step; None: the cache calls :meth:`score`.
+        state inside the cache's fused (optionally compiled) step, with ``params`` on ``device`` (the
+        cache's); None: the cache calls :meth:`score`.
         Called at every such step: return the same tuple object while it is unchanged (a compiled
         cache keeps its step bound to it, and rebinds when the object changes)."""
         return None

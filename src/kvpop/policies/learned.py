@@ -56,36 +56,75 @@ class LearnedPolicy(Policy):
         return tuple(window if o is None else min(o, window) for o in self.scorer.config.observed)
 
     def init_state(self, batch: int, num_kv_heads: int, layer_idx: int, device):
-        self.to(device)
-        return self.scorer[layer_idx].init_state(batch, device=device, dtype=torch.float32)
+        return self.scorer_for(device)[layer_idx].init_state(batch, device=device, dtype=torch.float32)
+
+    def scorer_for(self, device, refresh: bool = True) -> ScorerStack:
+        """The scorer on ``device``: ``self.scorer`` where it lives, else a copy made for that device
+        once and kept, so caches on two devices sharing this policy never move weights under each
+        other (before, each cache's first update moved the one scorer and the other cache found its
+        weights on the wrong device). With ``refresh`` (when a cache on that device starts, in
+        ``init_state``, and when its decode kernels are rebuilt), a copy whose original's weights
+        changed since is brought up to date in place, so its kernels' views stay valid; between
+        those it is what it was then. ``refresh=False``: a dictionary lookup (``score``)."""
+        device = torch.device(device)
+        replicas = self.__dict__.get("_replicas")
+        if replicas is None:
+            replicas = self.__dict__["_replicas"] = {}
+        hit = replicas.get(device)
+        if hit is not None and (hit[1] is None or not refresh):
+            return hit[0]
+        home = self.scorer
+        p = next(home.parameters(), None)
+        if p is None or p.device == device:
+            replicas[device] = [home, None]  # the original itself: never copied
+            return home
+        versions = tuple(q._version for q in home.parameters())
+        if hit is None:
+            import copy
+
+            hit = replicas[device] = [copy.deepcopy(home).to(device), versions]
+        elif hit[1] != versions:
+            with torch.no_grad():
+                for mine, theirs in zip(hit[0].parameters(), home.parameters(), strict=True):
+                    mine.copy_(theirs)
+            hit[1] = versions
+        return hit[0]
 
     def to(self, device) -> LearnedPolicy:
-        """Move the scorer to ``device``: a cache calls this with its keys' device, so a scorer loaded
-        on the CPU follows a model moved to a GPU. The decode kernels' weight views are rebuilt."""
+        """Move ``self.scorer`` to ``device`` (the meta device is never a target: it would strip the
+        weights). Caches do not call this (they use :meth:`scorer_for`); per-device copies and
+        kernels are rebuilt."""
         device = torch.device(device)
         p = next(self.scorer.parameters(), None)
         if p is not None and p.device != device and device.type != "meta":
             self.scorer.to(device)
             self.__dict__.pop("_kernels", None)
+            self.__dict__.pop("_replicas", None)
         return self
 
-    def decode_kernel(self, layer_idx: int, window: int):
-        """The scorer's decode spec and this layer's weights (detached views, kept between steps:
-        in-place weight updates show through them; the tilt is recomputed when it changes).
+    def decode_kernel(self, layer_idx: int, window: int, device=None):
+        """The scorer's decode spec and this layer's weights on ``device`` (None: where ``self.scorer``
+        is; see :meth:`scorer_for`) as detached views, kept between steps: in-place weight updates
+        show through them; the tilt is recomputed when it changes.
 
         The same tuple object is returned until it changes, so a cache can tell by identity that
         its compiled step is still current; this runs once per layer and decode step, so it reads
         no module attribute (``nn.Module.__getattr__`` alone took ~0.5 us)."""
-        memo = self.__dict__.get("_kernels")
+        kernels = self.__dict__.get("_kernels")
+        if kernels is None:
+            kernels = self.__dict__["_kernels"] = {}
+        memo = kernels.get(device)
         if memo is None:
-            memo = self.__dict__["_kernels"] = {"theta": getattr(self.scorer, "tilt_theta", None)}
+            scorer = self.scorer if device is None else self.scorer_for(device)
+            memo = kernels[device] = {"scorer": scorer, "theta": getattr(scorer, "tilt_theta", None)}
         theta = memo["theta"]
         version = None if theta is None else theta._version
         hit = memo.get((layer_idx, window))
         if hit is None or hit[0] != version:
             from ..scorers.decode import decode_params
 
-            kernel = (self.scorer.decode_spec(window), decode_params(self.scorer, layer_idx))
+            scorer = memo["scorer"] if device is None else self.scorer_for(device)
+            kernel = (scorer.decode_spec(window), decode_params(scorer, layer_idx))
             hit = memo[(layer_idx, window)] = (version, kernel)
         return hit[1]
 
@@ -93,10 +132,11 @@ class LearnedPolicy(Policy):
     def score(self, state, batch: ExitBatch):
         c = batch.new_keys.shape[2]
         dev = batch.new_keys.device
+        scorer = self.scorer_for(dev, refresh=False)
         if c == 1 and batch.all_valid and batch.keys.shape[2] == 1:
             # decode: one new and one exiting token per row, the scorer's single-step fast path
             b = batch.new_keys.shape[0]
-            state, scores = self.scorer.decode_scores(
+            state, scores = scorer.decode_scores(
                 batch.layer_idx, state, batch.new_keys, batch.new_values, batch.keys, batch.values,
                 batch.new_index.view(b), batch.index.view(b), batch.attention, batch.window,
             )
@@ -108,7 +148,7 @@ class LearnedPolicy(Policy):
         if self.needs_attention and observed is None:  # a step without exits (the state still advances)
             b, h, x, _ = batch.keys.shape
             observed = batch.keys.new_zeros(b, h, x, len(self.scorer.config.observed), dtype=torch.float32)
-        state, scores = self.scorer.step_and_read(
+        state, scores = scorer.step_and_read(
             batch.layer_idx, state, batch.new_keys.float(), batch.new_values.float(),
             batch.keys.float(), batch.values.float(), read_steps, mask,
             new_positions=batch.new_index, read_positions=batch.index,

@@ -9,6 +9,7 @@ import sys
 
 import torch.distributed as dist
 
+from ..files import json_safe
 from .config import TRAIN_CORPORA, TrainConfig
 
 
@@ -103,15 +104,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         summary = train(cfg)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # OSError: an unwritable --out, a full disk (the last checkpoint kept)
         print(f"kvpop train: error: {exc}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         if "best" in summary:
-            print(json.dumps({"best": summary["best"], "tokens_seen": summary["tokens_seen"],
-                              "seconds": summary["seconds_this_process"]}, indent=1))  # fmt: skip
+            print(json.dumps(json_safe({"best": summary["best"], "tokens_seen": summary["tokens_seen"],
+                                        "seconds": summary["seconds_this_process"]}), indent=1))  # fmt: skip
         else:
-            print(json.dumps(summary, indent=1))
+            print(json.dumps(json_safe(summary), indent=1, default=str))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from ..config import EvictionConfig, default_window
 
@@ -214,8 +215,17 @@ class TrainConfig:
             raise ValueError(f"cycle must be >= 0, got {self.cycle}")
         if self.val_docs < 0:
             raise ValueError(f"val_docs must be >= 0, got {self.val_docs}")
-        if self.lr <= 0 or self.tau <= 0:
-            raise ValueError("lr and tau must be > 0")
+        for name in ("lr", "tau"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        for name in ("hidden", "dk", "dv"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.docs_from and not Path(self.docs_from).exists():
+            raise ValueError(f"docs_from {self.docs_from} does not exist")
         if not math.isfinite(self.lam) or self.lam < 0:
             raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
         if self.capture_only and not self.store:

@@ -9,7 +9,6 @@ measures retention under the real cache on validation windows and keeps the best
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -21,8 +20,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from ..checkpoint import atomic_write, model_fingerprint, save_scorer
+from ..checkpoint import fingerprint_diff, model_fingerprint, read_header, save_scorer, scorer_writer
 from ..config import attention_shape
+from ..files import atomic_writes, check_writable_dir, clean_leftovers, write_json
 from ..rope import RopeSpec
 from ..scorers import ScorerConfig, ScorerStack, build_scorer
 from .config import TrainConfig
@@ -101,13 +101,21 @@ def train(cfg: TrainConfig, model=None, tokenizer=None) -> dict:
             raise ValueError(f"{out} holds a run with other settings; use another --out or the same settings ("
                              + "; ".join(diff) + ")")  # fmt: skip
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
+        check_writable_dir(out)  # before the model loads: an unwritable --out is an error, not a traceback later
+        clean_leftovers(out)  # temporary files of a killed run (the folder itself is made by the first write)
     if model is None:
         from ..models import load_model
 
         model, tokenizer = load_model(cfg.model, progress=False)
     device = torch.device(cfg.device)
     model = model.to(device).eval().requires_grad_(False)
+    fingerprint = model_fingerprint(model)
+    if blob is not None:
+        saved = blob.get("fingerprint") or _checkpoint_fingerprint(out)
+        diff = fingerprint_diff(saved or {}, fingerprint)
+        if diff:  # a run trained on two models would record only the second one
+            raise ValueError(f"{out} holds a run on a different model ({', '.join(sorted(diff))} differ); use another "
+                             "--out, or the model it was started with")  # fmt: skip
     store = CaptureStore(cfg.store, cfg, model) if cfg.store else None
     source = SequenceSource(cfg, tokenizer, "train")
     per_rank = cfg.batch_size // world
@@ -141,7 +149,6 @@ def train(cfg: TrainConfig, model=None, tokenizer=None) -> dict:
         val_examples = [capture_example(model, ids.view(1, -1), cfg.windows(), cfg.sinks, cfg.observed, [c])
                         for c, ids in (vsrc.get(j) for j in range(min(2, cfg.val_docs)))]  # fmt: skip
 
-    fingerprint = model_fingerprint(model)
     bar = tqdm(total=cfg.steps, initial=step, disable=not (cfg.progress and rank == 0), desc=f"train {cfg.scorer}")
     t_start, tokens = time.perf_counter(), 0
     t_capture = 0.0
@@ -208,8 +215,17 @@ def train(cfg: TrainConfig, model=None, tokenizer=None) -> dict:
     if rank == 0:
         if val_examples:
             summary["validation_decisions"] = _decisions(scorer, val_examples, cfg)
-        atomic_write(out / "summary.json", lambda tmp: Path(tmp).write_text(json.dumps(summary, indent=1, default=str)))
+        write_json(out / "summary.json", summary)  # strict JSON: no best retention yet is null, not -Infinity
     return summary
+
+
+def _checkpoint_fingerprint(out: Path) -> dict | None:
+    """The model fingerprint of the run in ``out`` from its scorer checkpoint (a ``train_state.pt``
+    from before it recorded its own)."""
+    try:
+        return read_header(out / "scorer.safetensors").get("meta", {}).get("fingerprint")
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 @torch.no_grad()
@@ -252,6 +268,10 @@ def _capture_only(cfg, model, source, store, rank, world, per_rank) -> dict:
 
 
 def _save(scorer, path, cfg, step, fingerprint, quality=None) -> None:
+    save_scorer(scorer, path, _meta(cfg, step, fingerprint, quality))
+
+
+def _meta(cfg, step, fingerprint, quality=None) -> dict:
     meta = {
         "trained_for": trained_for(cfg),
         "corpora": list(cfg.corpora) if not cfg.docs_from else ["user:" + str(cfg.docs_from)],
@@ -266,13 +286,21 @@ def _save(scorer, path, cfg, step, fingerprint, quality=None) -> None:
             k: ({kk: vv for kk, vv in v.items() if kk != "per_doc"} if isinstance(v, dict) else v)
             for k, v in quality.items()
         }
-    save_scorer(scorer, path, meta)
+    return meta
 
 
 def _checkpoint(cfg, out, scorer, opt, sched, step, history, best, fingerprint) -> None:
-    _save(scorer, out / "scorer.safetensors", cfg, step, fingerprint)
+    """``train_state.pt`` (what a resume reads) and ``scorer.safetensors`` as one checkpoint: both are
+    written before either replaces its previous version, so a failed write (a full disk) keeps the
+    previous checkpoint whole."""
     blob = {
         "scorer": scorer.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
         "step": step, "history": history, "best": best, "config": asdict(cfg), "resume": cfg.resume_view(),
+        "fingerprint": fingerprint,
     }  # fmt: skip
-    atomic_write(_state_path(out), lambda tmp: torch.save(blob, tmp))
+    try:
+        atomic_writes([(_state_path(out), lambda tmp: torch.save(blob, tmp)),
+                       (out / "scorer.safetensors", scorer_writer(scorer, _meta(cfg, step, fingerprint)))])  # fmt: skip
+    except OSError as exc:
+        raise OSError(exc.errno, f"writing the step-{step} checkpoint to {out} failed ({exc.strerror or exc}); the "
+                      "previous checkpoint there is whole") from exc  # fmt: skip
