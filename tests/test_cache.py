@@ -10,8 +10,8 @@ from transformers import DynamicCache
 from kvpop import KVpopCache
 from kvpop.config import EvictionConfig
 from kvpop.policies import POLICIES, LearnedPolicy, get_policy
-from kvpop.reference import MaskedReference
 from kvpop.testing import ARCHS, random_learned_policy, tiny_model
+from kvpop.testing.reference import MaskedReference
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 BASE_POLICIES = ["streaming", "tova", "h2o", "snapkv", "knorm", "random"]

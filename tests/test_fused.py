@@ -321,7 +321,8 @@ def test_bench_specs_floor_and_compile():
 @pytest.mark.parametrize("seed", range(4))
 def test_observed_sums_equal_reference(seed):
     """The suffix-sum form of the chunk's observed-attention statistics equals the masked sums."""
-    from kvpop.cache import _observed_sums, _observed_sums_reference
+    from kvpop.cache import _observed_sums
+    from kvpop.testing.observed import observed_sums_reference
 
     g = torch.Generator().manual_seed(seed)
     b, h, c, n, w = 3, 2, 7, 10, 5
@@ -337,7 +338,7 @@ def test_observed_sums_equal_reference(seed):
     p_mean = torch.rand(b, h, c, n + c, generator=g) * seen
     for obs in [(5, 2, 1), (1,), (3, 5)]:
         got = _observed_sums(p_mean, key_idx, n_real, valid, w, obs)
-        torch.testing.assert_close(got, _observed_sums_reference(p_mean, key_idx, n_real, valid, w, obs))
+        torch.testing.assert_close(got, observed_sums_reference(p_mean, key_idx, n_real, valid, w, obs))
 
 
 def test_failed_compile_falls_back_to_eager_once(monkeypatch):

@@ -13,9 +13,7 @@ import kvpop
 from kvpop.capture import collect
 from kvpop.mask import (
     MASK_ATTN_NAME,
-    NEVER,
     learned_priority_fn,
-    leave_steps,
     masked_eviction,
     oracle_priority_fn,
     streaming_priority_fn,
@@ -23,10 +21,10 @@ from kvpop.mask import (
 )
 from kvpop.policies import LearnedPolicy, OraclePolicy
 from kvpop.rope import RopeSpec
-from kvpop.rule import reference_rule
+from kvpop.rule import NEVER, kept_mask_static, leave_steps
 from kvpop.scorers import ScorerConfig, build_scorer
-from kvpop.teacher import kept_mask_static
 from kvpop.testing import tiny_model
+from kvpop.testing.rule import reference_rule
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 

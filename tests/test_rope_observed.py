@@ -4,9 +4,10 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvpop.observed import observed_attention, observed_attention_reference, observed_features
+from kvpop.observed import observed_attention, observed_features
 from kvpop.rope import RopeSpec
 from kvpop.testing import tiny_model
+from kvpop.testing.observed import observed_attention_reference
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])

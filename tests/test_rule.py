@@ -4,7 +4,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpop.rule import NEVER, decide_chunk, decide_one, decide_one_full, reference_rule
+from kvpop.rule import NEVER, decide_chunk, decide_one, decide_one_full
+from kvpop.testing.rule import decide_chunk_pairwise, decide_chunk_sequential, reference_rule
+
+METHODS = {"pairwise": decide_chunk_pairwise, "sequential": decide_chunk_sequential, "sorted": decide_chunk}
 
 
 def _simulate_chunks(prio, sinks, window, k, chunk, method):
@@ -18,7 +21,7 @@ def _simulate_chunks(prio, sinks, window, k, chunk, method):
         ex = [t - window if t - window >= sinks else -1 for t in new]
         ex_idx = torch.tensor(ex, dtype=torch.long).view(1, 1, -1)
         ex_prio = torch.tensor([prio[e] if e >= 0 else 0.0 for e in ex], dtype=torch.float32).view(1, 1, -1)
-        lr_leave, ex_leave = decide_chunk(lr_prio, lr_idx, ex_prio, ex_idx, window, method=method)
+        lr_leave, ex_leave = METHODS[method](lr_prio, lr_idx, ex_prio, ex_idx, window)
         for j, e in enumerate(ex):
             if e >= 0 and ex_leave[0, 0, j] != NEVER:
                 leave[e] = int(ex_leave[0, 0, j])
@@ -68,7 +71,7 @@ def test_decide_one_agrees_with_pairwise(data, k, b, h):
     ex_prio = torch.tensor(data.draw(st.lists(st.integers(-2, 2), min_size=b * h, max_size=b * h)), dtype=torch.float32).view(b, h)
     ex_idx = torch.full((b, h), 100)
     slot, accept = decide_one(lr_prio, lr_idx, ex_prio, ex_idx)
-    lr_leave, ex_leave = decide_chunk(lr_prio, lr_idx, ex_prio.unsqueeze(-1), ex_idx.unsqueeze(-1), 5, method="pairwise")
+    lr_leave, ex_leave = decide_chunk_pairwise(lr_prio, lr_idx, ex_prio.unsqueeze(-1), ex_idx.unsqueeze(-1), 5)
     assert torch.equal(accept, ex_leave[..., 0] == NEVER)
     evicted = accept & (lr_idx.gather(-1, slot.unsqueeze(-1)).squeeze(-1) >= 0)
     n_evicted = ((lr_leave != NEVER) & (lr_leave >= 0)).sum(-1)
@@ -115,6 +118,6 @@ def test_chunk_methods_agree_on_batched_heads(data, k, x, window):
     ex = torch.arange(50, 50 + x).expand(b, h, x).clone()
     ex[0, :, 0] = -1  # an absent exit
     ex_prio = torch.randint(-2, 3, (b, h, x), generator=g).float()
-    results = [decide_chunk(lr_prio, lr_idx, ex_prio, ex, window, method=m) for m in ("pairwise", "sorted", "sequential")]
+    results = [METHODS[m](lr_prio, lr_idx, ex_prio, ex, window) for m in ("pairwise", "sorted", "sequential")]
     for other in results[1:]:
         assert torch.equal(results[0][0], other[0]) and torch.equal(results[0][1], other[1])

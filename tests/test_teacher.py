@@ -6,12 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpop.teacher import (
-    kept_mask_static,
-    static_priority,
-    teacher_labels,
-    teacher_labels_bruteforce,
-)
+from kvpop.rule import kept_mask_static
+from kvpop.teacher import static_priority, teacher_labels
+from kvpop.testing.rule import teacher_labels_bruteforce
 
 
 def _eq(a, b):

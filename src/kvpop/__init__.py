@@ -11,8 +11,9 @@ from .adapters import AdapterMismatchError, load_adapter_bundle, lora_config, sa
 from .capture import LayerCapture, collect
 from .checkpoint import load_scorer, save_scorer
 from .generate import GenerationResult, generate
-from .mask import leave_steps, masked_eviction
+from .mask import masked_eviction
 from .models import SUPPORTED_MODEL_TYPES, ModelLoadError, kv_bytes_per_token, load_model, model_summary
+from .rule import leave_steps
 from .targets import future_attention
 from .teacher import TeacherLabels, teacher_labels
 

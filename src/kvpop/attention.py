@@ -16,7 +16,10 @@ name for code that reads it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -98,8 +101,14 @@ def kvpop_attention(module, query, key, value, attention_mask, scaling=None, dro
     return fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
-AttentionInterface.register(NAME, kvpop_attention)
-AttentionMaskInterface.register(NAME, kvpop_mask)
+def register(name: str, attention, mask) -> None:
+    """Make ``name`` an attention implementation transformers dispatches to: ``attention`` for the
+    attention call, ``mask`` (a mask interface function) for the mask the model builds."""
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, mask)
+
+
+register(NAME, kvpop_attention, kvpop_mask)
 
 
 def attach(config) -> None:
@@ -125,3 +134,38 @@ def detach(config) -> None:
     for cfg in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
         if cfg._attn_implementation == NAME:
             cfg._attn_implementation = _base_name(cfg)
+
+
+def model_configs(model: torch.nn.Module) -> list:
+    """Every distinct config object reachable from the model's modules (and their sub-configs)."""
+    seen: dict[int, object] = {}
+    stack = [getattr(m, "config", None) for m in model.modules()]
+    while stack:
+        cfg = stack.pop()
+        if cfg is None or id(cfg) in seen or not hasattr(cfg, "_attn_implementation_internal"):
+            continue
+        seen[id(cfg)] = cfg
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            stack.append(getattr(cfg, key, None))
+    return list(seen.values())
+
+
+@contextlib.contextmanager
+def attention_implementation(model: torch.nn.Module, name: str, var: contextvars.ContextVar | None = None,
+                             value=None) -> Iterator[None]:  # fmt: skip
+    """While active, every config of ``model`` names the attention implementation ``name`` (one
+    registered with :func:`register`) and ``var`` (if given) holds ``value``, what that attention
+    function reads; both are restored on exit, also on errors. The one place that switches a
+    model's attention for a block of code (capture, the training mask, the test reference)."""
+    configs = model_configs(model)
+    saved = [(c, c._attn_implementation_internal) for c in configs]
+    token = None if var is None else var.set(value)
+    try:
+        for c in configs:
+            c._attn_implementation_internal = name
+        yield
+    finally:
+        for c, v in saved:
+            c._attn_implementation_internal = v
+        if token is not None:
+            var.reset(token)

@@ -506,14 +506,12 @@ class KVpopLayer(CacheLayerMixin):
 
         # --- commit: long-range set, then sinks/ring -------------------------------------
         if kk > 0:
-            keep = torch.cat([lr_leave == NEVER, ex_leave == NEVER], dim=2)  # [b, h, kk + c]
+            order, kept = rule.commit_order(lr_leave, ex_leave)
             src = torch.cat(
                 [torch.arange(s + w, n, device=dev).expand(b, h, kk), ex_slot], dim=2
             )
             cand_prio = torch.cat([self.lr_prio, ex_prio], dim=2)
             cand_idx = torch.cat([lr_idx, ex_idx_h], dim=2)
-            order = torch.sort((~keep).to(torch.int8), dim=2, stable=True).indices[:, :, :kk]
-            kept = keep.gather(2, order)
             src_slot = src.gather(2, order)
             new_lr_k = self.keys.gather(2, src_slot.unsqueeze(-1).expand(b, h, kk, d))
             new_lr_v = self.values.gather(2, src_slot.unsqueeze(-1).expand(b, h, kk, self.values.shape[-1]))
@@ -552,7 +550,7 @@ def _observed_sums(p_mean, key_idx, n_real, valid, window: int, obs_windows) -> 
     is a suffix of the chunk's queries: one reverse cumulative sum over the queries, read at each
     key's first qualifying query, gives every window's sum (instead of one masked pass per window).
     ``p_mean [b, h, c, n + c]`` is zero for padding queries and for keys a query does not observe.
-    :func:`_observed_sums_reference` is the direct form; a test holds them together.
+    ``kvpop.testing.observed.observed_sums_reference`` is the direct form; a test holds them together.
     """
     b, h, c, nk = p_mean.shape
     suffix = torch.cat([p_mean.flip(2).cumsum(2).flip(2), p_mean.new_zeros(b, h, 1, nk)], 2)  # [b, h, c + 1, nk]
@@ -561,14 +559,6 @@ def _observed_sums(p_mean, key_idx, n_real, valid, window: int, obs_windows) -> 
     start = (first_real - n_real).view(b, 1, 1, 1) + key_idx.unsqueeze(2) + thr  # [b, h, nobs, nk]
     sums = suffix.gather(2, start.clamp(0, c))  # [b, h, nobs, nk]
     return sums.transpose(2, 3)
-
-
-def _observed_sums_reference(p_mean, key_idx, n_real, valid, window: int, obs_windows) -> torch.Tensor:
-    """The direct form of :func:`_observed_sums`: one masked sum over the queries per window."""
-    c = p_mean.shape[2]
-    new_idx = torch.where(valid, n_real.unsqueeze(1) + valid.long().cumsum(1) - 1, -1)
-    age = new_idx.view(-1, 1, c, 1) - key_idx.unsqueeze(2)  # [b, h, c, nk]
-    return torch.stack([(p_mean * (age >= window - o)).sum(dim=2) for o in obs_windows], -1)
 
 
 NAN_CHECK_EVERY = 64  # steady decode steps between checks of a heuristic policy's scores for NaN

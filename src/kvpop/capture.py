@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from transformers.masking_utils import sdpa_mask
 
+from .attention import attention_implementation, register
 from .observed import observed_attention_windows
 from .targets import fused_available, future_attention, future_attention_windows
 
@@ -84,21 +86,6 @@ class CaptureState:
 
 
 _ACTIVE: contextvars.ContextVar[CaptureState | None] = contextvars.ContextVar("kvpop_capture", default=None)
-_REGISTERED = False
-
-
-def _register() -> None:
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    ALL_ATTENTION_FUNCTIONS.register(ATTN_NAME, _capture_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
-    _REGISTERED = True
-
-
 # --------------------------------------------------------------------------------------------
 # the attention function
 # --------------------------------------------------------------------------------------------
@@ -244,23 +231,7 @@ def _capture_attention(
     return attn_output, attn_weights
 
 
-# --------------------------------------------------------------------------------------------
-# switching the model's attention implementation
-# --------------------------------------------------------------------------------------------
-
-
-def _configs(model: torch.nn.Module) -> list:
-    """Every distinct config object reachable from the model's modules (and their sub-configs)."""
-    seen: dict[int, object] = {}
-    stack = [getattr(m, "config", None) for m in model.modules()]
-    while stack:
-        cfg = stack.pop()
-        if cfg is None or id(cfg) in seen or not hasattr(cfg, "_attn_implementation_internal"):
-            continue
-        seen[id(cfg)] = cfg
-        for key in getattr(cfg, "sub_configs", {}) or {}:
-            stack.append(getattr(cfg, key, None))
-    return list(seen.values())
+register(ATTN_NAME, _capture_attention, sdpa_mask)
 
 
 def _num_layers(model) -> int | None:
@@ -292,7 +263,6 @@ def capturing(
     row LSE from one flash-kernel call (else the output comes from transformers' SDPA function and
     the target computes its own LSE).  The model's attention implementation is restored on exit.
     """
-    _register()
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"window must be an int >= 0 or None; got {window!r}")
     n = _num_layers(model)
@@ -316,17 +286,8 @@ def capturing(
         sinks=int(sinks),
         obs_windows=tuple(obs_windows),
     )
-    configs = _configs(model)
-    saved = [(c, c._attn_implementation_internal) for c in configs]
-    token = _ACTIVE.set(state)
-    try:
-        for c in configs:
-            c._attn_implementation_internal = ATTN_NAME
+    with attention_implementation(model, ATTN_NAME, _ACTIVE, state):
         yield state
-    finally:
-        for c, v in saved:
-            c._attn_implementation_internal = v
-        _ACTIVE.reset(token)
 
 
 def collect(
@@ -335,13 +296,7 @@ def collect(
     attention_mask: Tensor | None = None,
     layers: Iterable[int] | None = None,
     window: int | None = None,
-    *,
-    method: str = "auto",
-    keep_queries: bool = False,
-    extra_windows: Iterable[int] = (),
-    observed_windows: Iterable[int] = (),
-    sinks: int = 4,
-    obs_windows: Iterable[int | None] = (None, 32, 1),
+    **options,
 ) -> list[LayerCapture]:
     """Run ``model`` over a batch (no grad, no cache) and return one ``LayerCapture`` per layer.
 
@@ -352,13 +307,8 @@ def collect(
         attention_mask: optional ``[batch, S]`` padding mask (contiguous valid tokens per row).
         layers: layer indices to capture (default: all), returned in increasing order.
         window: if given, also compute the target for this window (``kvpop.targets``).
-        method: ``future_attention`` method for the targets.
-        keep_queries: also return the post-RoPE queries (memory: all layers' queries).
-        extra_windows: more windows to compute targets for (``LayerCapture.targets[w]``; the
-            ``window`` one is there too).
-        observed_windows: windows whose observed-attention statistics to record
-            (``LayerCapture.observed[w]``, ``[batch, kv_heads, S, len(obs_windows)]``, see
-            :mod:`kvpop.observed`; unpadded rows only), with ``sinks`` sink tokens.
+        options: the keyword options of :func:`capturing` (``method``, ``keep_queries``,
+            ``extra_windows``, ``observed_windows``, ``sinks``, ``obs_windows``).
     """
     if input_ids.ndim != 2:
         raise ValueError("input_ids must be [batch, S]")
@@ -366,18 +316,7 @@ def collect(
         raise ValueError("attention_mask must have the shape of input_ids")
     with (
         torch.no_grad(),
-        capturing(
-            model,
-            layers=layers,
-            window=window,
-            method=method,
-            attention_mask=attention_mask,
-            keep_queries=keep_queries,
-            extra_windows=extra_windows,
-            observed_windows=observed_windows,
-            sinks=sinks,
-            obs_windows=obs_windows,
-        ) as state,
+        capturing(model, layers=layers, window=window, attention_mask=attention_mask, **options) as state,
     ):
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     want = state.layers if state.layers is not None else range(_num_layers(model) or len(state.captures))

@@ -7,8 +7,7 @@ exited tokens in the order ``(priority, -index)`` (``kvpop.rule``). So each toke
 
     key ``t`` is visible to query ``q``  iff  ``t <= q < leave[t]``.
 
-:func:`leave_steps` computes it for every token in ``O(S log S)`` per head, vectorised over
-rows and heads. :func:`masked_eviction` is a context manager (modelled on
+:func:`masked_eviction` is a context manager (modelled on
 ``kvpop.capture.capturing``) under which a cache-free forward of a model attends with that
 mask, per KV head: the logits equal those of the same tokens fed through
 :class:`kvpop.KVpopCache` with the same priorities, and gradients reach the model's own
@@ -21,14 +20,7 @@ differently shaped kernels, so a near-tie (seen on SmolLM2-135M with the shipped
 two priorities ~1e-6 apart in one head of one layer) may be broken the other way, and the
 logits after that step differ by more (~1e-2 there). Exact ties follow the same rule in both.
 
-How leave steps are computed. Competitor ``t >= sinks`` exits at ``e_t = t + window``. It
-leaves at its exit if ``k`` tokens ranked above it exited before, else at the exit of the
-``k``-th token ranked above it, in index order: with ``u_k(t)`` the ``k``-th smallest index
-among the tokens ranked above ``t``, ``leave[t] = max(t, u_k(t)) + window`` (``NEVER`` if
-fewer than ``k`` rank above it, or if that step is past the sequence). ``u_k`` for all tokens
-at once is a prefix order statistic over the tokens listed best first, answered by a wavelet
-matrix over the token indices: ``ceil(log2 S)`` levels, each a cumulative sum, a scatter and a
-few gathers over ``[rows, S]`` tensors, no Python loop over tokens or heads.
+Leave steps come from :func:`kvpop.rule.leave_steps` (``O(S log S)`` per head).
 """
 
 from __future__ import annotations
@@ -42,15 +34,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .rule import NEVER
+from .attention import attention_implementation, register
+from .rule import NEVER, check_count, leave_steps
 
 __all__ = [
     "MASK_ATTN_NAME",
-    "NEVER",
     "MaskedEvictionState",
     "PriorityFn",
     "learned_priority_fn",
-    "leave_steps",
     "logical_positions",
     "masked_eviction",
     "oracle_priority_fn",
@@ -62,85 +53,6 @@ MASK_ATTN_NAME = "kvpop_masked"
 
 # priority_fn(layer_idx, keys [b, kv_heads, S, d], values [b, kv_heads, S, dv], positions [b, S]) -> [b, kv_heads, S]
 PriorityFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
-
-
-# --------------------------------------------------------------------------------------------
-# leave steps
-# --------------------------------------------------------------------------------------------
-
-
-def _check_int(name: str, v, lo: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}; got {v!r}")
-    return v
-
-
-def _kth_smallest_prefix(x: Tensor, hi: Tensor, kth: int) -> Tensor:
-    """Per row ``r`` and query ``j``: the ``kth``-smallest (0-based) value of ``x[r, :hi[r, j]]``.
-
-    ``x`` ``[R, n]`` holds distinct values in ``[0, n)``; queries with ``hi <= kth`` return
-    garbage (the caller masks them). A wavelet matrix, built and queried level by level.
-    """
-    R, n = x.shape
-    dev = x.device
-    ar = torch.arange(n, device=dev).expand(R, n)
-    zero = torch.zeros(R, 1, dtype=torch.long, device=dev)
-    lo = torch.zeros_like(hi)
-    k = torch.full_like(hi, kth)
-    res = torch.zeros_like(hi)
-    cur = x
-    for b in reversed(range(max(1, (n - 1).bit_length()))):
-        bit = (cur >> b) & 1
-        r0 = torch.cat([zero, (1 - bit).cumsum(1)], 1)  # r0[:, i]: zeros among cur[:, :i]
-        nz = r0[:, n:]  # [R, 1] zeros at this level
-        # stable partition for the next level: zeros first, then ones
-        dest = torch.where(bit == 0, r0[:, :n], nz + ar - r0[:, :n])
-        cur = torch.empty_like(cur).scatter_(1, dest, cur)
-        # descend: into the zeros if enough of them lie in [lo, hi), else into the ones
-        r0_lo, r0_hi = r0.gather(1, lo), r0.gather(1, hi)
-        z = r0_hi - r0_lo
-        left = k < z
-        lo = torch.where(left, r0_lo, nz + lo - r0_lo)
-        hi = torch.where(left, r0_hi, nz + hi - r0_hi)
-        k = torch.where(left, k, k - z)
-        res = res | ((~left).long() << b)
-    return res
-
-
-def leave_steps(priority: Tensor, sinks: int, window: int, k: int) -> Tensor:
-    """First query step at which each token is no longer held: LongTensor ``[b, h, S]``.
-
-    ``priority`` ``[b, h, S]`` is the static priority of each token (frozen at its exit; e.g.
-    ``score + lam * t``). Tokens ``t < sinks`` and tokens still held after step ``S - 1`` get
-    ``NEVER``; with ``k = 0`` every competitor leaves at ``t + window``. Ties: of equal priority,
-    the older token ranks higher (``kvpop.rule``). Key ``t`` is visible to query ``q`` iff
-    ``t <= q < leave[t]`` (:func:`visibility`). ``O(S log S)`` per head, no loop over tokens.
-    """
-    if not isinstance(priority, Tensor) or priority.ndim != 3:
-        raise ValueError("priority must be a tensor [batch, heads, S]")
-    sinks, window, k = _check_int("sinks", sinks), _check_int("window", window), _check_int("k", k)
-    b, h, S = priority.shape
-    dev = priority.device
-    leave = torch.full((b, h, S), NEVER, dtype=torch.long, device=dev)
-    n = S - sinks  # competitors
-    if n <= 0 or k >= n:
-        return leave
-    j = torch.arange(n, device=dev)
-    if k == 0:
-        comp = (j + sinks + window).expand(b, h, n)
-    else:
-        p = priority[..., sinks:]
-        if p.is_floating_point() and bool(torch.isnan(p).any()):
-            raise ValueError("priority contains NaN")
-        R = b * h
-        # competitors best first; a stable descending sort keeps the older of equal priorities first
-        order = torch.sort(p.reshape(R, n), dim=1, descending=True, stable=True).indices
-        above = torch.empty_like(order).scatter_(1, order, j.expand(R, n))  # how many rank above each token
-        uk = _kth_smallest_prefix(order, above, k - 1)
-        comp = torch.maximum(uk, j) + (sinks + window)
-        comp = torch.where(above >= k, comp, NEVER).view(b, h, n)
-    leave[..., sinks:] = torch.where(comp < S, comp, NEVER)
-    return leave
 
 
 def visibility(leave: Tensor, q_pos: Tensor | None = None, k_pos: Tensor | None = None) -> Tensor:
@@ -213,7 +125,7 @@ def learned_priority_fn(scorer, window: int, lam: float = 0.0, sinks: int = 4) -
     that reads observed attention gets it from the layer's queries (``kvpop.observed``, with
     ``sinks`` sink tokens; unpadded rows only).
     """
-    window = _check_int("window", window)
+    window = check_count("window", window)
     lam = float(lam)
     obs = tuple(scorer.config.observed)
 
@@ -275,7 +187,6 @@ class MaskedEvictionState:
 
 
 _ACTIVE: contextvars.ContextVar[MaskedEvictionState | None] = contextvars.ContextVar("kvpop_masked", default=None)
-_REGISTERED = False
 _UNSUPPORTED = ("softcap", "position_bias", "s_aux", "sinks")
 
 
@@ -285,18 +196,6 @@ def _padding_mask(**kwargs):
     if am is None or bool(am.all()):
         return None
     return am
-
-
-def _register() -> None:
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    ALL_ATTENTION_FUNCTIONS.register(MASK_ATTN_NAME, _masked_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(MASK_ATTN_NAME, _padding_mask)
-    _REGISTERED = True
 
 
 def _sdpa_blocks(query, key, value, leave, pos, scale, block, dropout):
@@ -426,6 +325,9 @@ def _masked_attention(module, query, key, value, attention_mask, dropout: float 
     return out.transpose(1, 2).contiguous(), None
 
 
+register(MASK_ATTN_NAME, _masked_attention, _padding_mask)
+
+
 @contextlib.contextmanager
 def masked_eviction(
     model: torch.nn.Module,
@@ -456,27 +358,15 @@ def masked_eviction(
     ``0, 1, ...`` as in :class:`kvpop.KVpopCache` (left padding). The model's attention
     implementation is restored on exit, also on errors.
     """
-    _register()
-    sinks, k = _check_int("sinks", sinks), _check_int("k", k)
-    window = _check_int("window", window, lo=1)
-    query_block = _check_int("query_block", query_block, lo=1)
+    sinks, k = check_count("sinks", sinks), check_count("k", k)
+    window = check_count("window", window, lo=1)
+    query_block = check_count("query_block", query_block, lo=1)
     if backend not in ("auto", "sdpa", "flex"):
         raise ValueError(f"backend must be 'auto', 'sdpa' or 'flex'; got {backend!r}")
     if k > 0 and priority_fn is None:
         raise ValueError("k > 0 long-range slots need a priority_fn (priority_fn=None is for k = 0)")
-    from .capture import _configs
-
     state = MaskedEvictionState(
         priority_fn, sinks, window, k, query_block, backend, keep_leave, {} if keep_leave else None
     )
-    configs = _configs(model)
-    saved = [(c, c._attn_implementation_internal) for c in configs]
-    token = _ACTIVE.set(state)
-    try:
-        for c in configs:
-            c._attn_implementation_internal = MASK_ATTN_NAME
+    with attention_implementation(model, MASK_ATTN_NAME, _ACTIVE, state):
         yield state
-    finally:
-        for c, v in saved:
-            c._attn_implementation_internal = v
-        _ACTIVE.reset(token)

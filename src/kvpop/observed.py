@@ -8,8 +8,8 @@ last ``o`` of those queries for each observation window ``o``: ``o = window`` is
 statistic, ``o = 32`` SnapKV's, ``o = 1`` TOVA's. The learned scorers may read the same numbers.
 
 This module computes them from a whole sequence's queries and keys, as a training capture needs
-them: :func:`observed_attention` block by block in ``O(S * (window + block))`` memory, and
-:func:`observed_attention_reference`, the plain per-query definition (the test oracle).
+them: :func:`observed_attention` block by block in ``O(S * (window + block))`` memory. The plain
+per-query definition the tests hold it to is ``kvpop.testing.observed``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["observed_attention", "observed_attention_reference", "observed_attention_windows", "observed_counts",
-           "observed_features"]
+__all__ = ["observed_attention", "observed_attention_windows", "observed_counts", "observed_features",
+           "observed_windows"]
 
 
-def _windows(window: int, obs_windows: Sequence[int | None]) -> list[int]:
+def observed_windows(window: int, obs_windows: Sequence[int | None]) -> list[int]:
+    """Each observation window as a query count at protected ``window`` (None = the whole window)."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     out = []
@@ -36,7 +37,7 @@ def _windows(window: int, obs_windows: Sequence[int | None]) -> list[int]:
 
 def observed_counts(window: int, obs_windows: Sequence[int | None]) -> list[int]:
     """How many queries each statistic sums over (``min(o, window)``; None = the whole window)."""
-    return _windows(window, obs_windows)
+    return observed_windows(window, obs_windows)
 
 
 def observed_features(stats: Tensor, window: int, obs_windows: Sequence[int | None], eps: float = 1e-6) -> Tensor:
@@ -83,7 +84,7 @@ def observed_attention_windows(
     ``w - o .. w - 1``, weighted by ``1 / Z_w(d)`` and added to its keys ``t = d - age``.
     """
     ws = sorted({int(w) for w in windows})
-    obs = {w: _windows(w, obs_windows) for w in ws}
+    obs = {w: observed_windows(w, obs_windows) for w in ws}
     b, hq, S, d = query.shape
     hk = key.shape[1]
     if hq % hk:
@@ -128,29 +129,3 @@ def observed_attention_windows(
         for w in ws:
             out[w][:, :, :s] = 0  # sinks never leave: nothing scores them
     return out
-
-
-@torch.no_grad()
-def observed_attention_reference(
-    query: Tensor, key: Tensor, window: int, sinks: int, obs_windows: Sequence[int | None] = (None,),
-    scale: float | None = None,
-) -> Tensor:
-    """The definition, one query at a time (float64; for tests)."""
-    obs = _windows(window, obs_windows)
-    b, hq, S, d = query.shape
-    hk = key.shape[1]
-    g = hq // hk
-    scale = d**-0.5 if scale is None else float(scale)
-    out = torch.zeros(b, hk, S, len(obs), dtype=torch.float64)
-    q, k = query.double().cpu(), key.double().cpu()
-    for dq in range(S):
-        keys = [j for j in range(dq + 1) if j < sinks or j > dq - window]
-        p = torch.softmax(torch.einsum("bgd,bgkd->bgk", q[:, :, dq], k.repeat_interleave(g, 1)[:, :, keys]) * scale, -1)
-        p = p.view(b, hk, g, len(keys)).mean(2)
-        for pos, j in enumerate(keys):
-            if j < sinks:
-                continue
-            for i, o in enumerate(obs):
-                if dq - j >= window - o:
-                    out[:, :, j, i] += p[:, :, pos]
-    return out.float()

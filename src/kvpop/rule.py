@@ -8,18 +8,34 @@ any number of exits exactly the top-``k`` of all exited tokens under the order
 ``(priority, -index)`` — which is what lets a chunk of exits be decided at once and what the
 teacher (``kvpop.teacher``) reproduces offline.
 
-All functions work on tensors ``[batch, kv_heads, ...]`` and never loop over heads. Indices
-are *logical* token indices of a row (padding excluded); ``-1`` marks an empty slot or an
-absent candidate.
+All functions work on tensors ``[batch, kv_heads, ...]`` and never loop over heads (but for
+the teacher's :func:`boundary_walk`, a heap per row). Indices are *logical* token indices of a
+row (padding excluded); ``-1`` marks an empty slot or an absent candidate.
+
+Online kernels (a cache deciding as tokens arrive): :func:`decide_one`, :func:`decide_one_full`,
+:func:`decide_chunk`, :func:`commit_order`. Whole sequences with static priorities known in
+advance (training): :func:`leave_steps`, :func:`boundary_walk`, :func:`kept_mask_static`.
+The plain references the tests hold them to live in ``kvpop.testing.rule``.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+import numbers
 
+import numpy as np
 import torch
+from torch import Tensor
 
 NEVER = torch.iinfo(torch.int64).max  # "leave step" of a token that is still held
+
+
+def check_count(name: str, value, lo: int = 0) -> int:
+    """``value`` as an ``int >= lo`` (any integral number, not a bool), else one ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}; got {value!r}")
+    return int(value)
 
 
 def ranks_above(prio_a: torch.Tensor, idx_a: torch.Tensor, prio_b: torch.Tensor, idx_b: torch.Tensor) -> torch.Tensor:
@@ -73,40 +89,7 @@ def decide_one_full(
     return weakest, ranks_above(ex_prio, ex_idx, min_prio, weakest_idx)
 
 
-def decide_chunk(
-    lr_prio: torch.Tensor,
-    lr_idx: torch.Tensor,
-    ex_prio: torch.Tensor,
-    ex_idx: torch.Tensor,
-    window: int,
-    method: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Many exits at once: the step at which each candidate leaves the cache.
-
-    Candidates are the held long-range tokens (``lr_* [b, h, k]``) and the tokens exiting the
-    window during this chunk (``ex_* [b, h, X]``, in exit order; token ``e`` exits at step
-    ``e + window``). Returns ``(lr_leave [b, h, k], ex_leave [b, h, X])``: the first step at
-    which the token is no longer held (``NEVER`` if still held after the chunk; for an exiting
-    token that loses at once, its exit step). Empty/absent entries get ``-1``.
-
-    ``method="pairwise"`` counts, for every candidate, when its ``k``-th better candidate
-    arrives (O(M^2) memory, M = k + X); ``"sorted"`` gets the same count from one sort of the
-    candidates and an ``[M, X]`` comparison against the exits only; ``"sequential"`` replays
-    the exits one by one with :func:`decide_one`. All agree exactly; ``"auto"`` uses
-    ``"sorted"`` for chunks and ``"sequential"`` for a single exit.
-    """
-    if method == "auto":
-        method = "sorted" if ex_idx.shape[-1] > 1 else "sequential"
-    if method == "sorted":
-        return _decide_chunk_sorted(lr_prio, lr_idx, ex_prio, ex_idx, window)
-    if method == "pairwise":
-        return _decide_chunk_pairwise(lr_prio, lr_idx, ex_prio, ex_idx, window)
-    if method == "sequential":
-        return _decide_chunk_sequential(lr_prio, lr_idx, ex_prio, ex_idx, window)
-    raise ValueError(f"method must be 'auto', 'pairwise' or 'sequential', got {method!r}")
-
-
-def _candidates(lr_prio, lr_idx, ex_prio, ex_idx, window):
+def candidates(lr_prio, lr_idx, ex_prio, ex_idx, window):
     """Held tokens then exits, as one candidate list: priority, index, presence, kind, arrival step."""
     k = lr_idx.shape[-1]
     prio = torch.cat([lr_prio, ex_prio], -1).float()
@@ -118,29 +101,25 @@ def _candidates(lr_prio, lr_idx, ex_prio, ex_idx, window):
     return prio, idx, valid, is_exit, arrival
 
 
-def _decide_chunk_pairwise(lr_prio, lr_idx, ex_prio, ex_idx, window):
-    k = lr_idx.shape[-1]
-    prio, idx, valid, _, arrival = _candidates(lr_prio, lr_idx, ex_prio, ex_idx, window)
-    if k == 0:
-        leave = arrival
-    else:
-        # better[y, x]: candidate y ranks above candidate x
-        better = ranks_above(prio.unsqueeze(-1), idx.unsqueeze(-1), prio.unsqueeze(-2), idx.unsqueeze(-2))
-        better &= valid.unsqueeze(-1) & valid.unsqueeze(-2)
-        arrivals = torch.where(better, arrival.unsqueeze(-1), torch.full_like(better, NEVER, dtype=torch.long))
-        m = idx.shape[-1]
-        if m >= k:
-            kth = arrivals.kthvalue(k, dim=-2).values
-        else:
-            kth = torch.full_like(idx, NEVER)
-        leave = torch.maximum(kth, arrival)
-    leave = torch.where(valid, leave, torch.full_like(leave, -1))
-    return leave[..., :k], leave[..., k:]
+def decide_chunk(
+    lr_prio: torch.Tensor, lr_idx: torch.Tensor, ex_prio: torch.Tensor, ex_idx: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Many exits at once: the step at which each candidate leaves the cache.
 
+    Candidates are the held long-range tokens (``lr_* [b, h, k]``) and the tokens exiting the
+    window during this chunk (``ex_* [b, h, X]``, in exit order; token ``e`` exits at step
+    ``e + window``). Returns ``(lr_leave [b, h, k], ex_leave [b, h, X])``: the first step at
+    which the token is no longer held (``NEVER`` if still held after the chunk; for an exiting
+    token that loses at once, its exit step). Empty/absent entries get ``-1``.
 
-def _decide_chunk_sorted(lr_prio, lr_idx, ex_prio, ex_idx, window):
+    How: a candidate leaves when the ``k``-th candidate ranked above it has arrived. One sort of
+    the candidates ranks them; the held ones above each candidate are a suffix count in that
+    order, the exits above it are counted in arrival order by an ``[M, X]`` comparison (M = k + X).
+    ``kvpop.testing.rule`` holds the pairwise count and the exit-by-exit replay of
+    :func:`decide_one` that the tests compare this with.
+    """
     k = lr_idx.shape[-1]
-    prio, idx, valid, is_exit, arrival = _candidates(lr_prio, lr_idx, ex_prio, ex_idx, window)
+    prio, idx, valid, is_exit, arrival = candidates(lr_prio, lr_idx, ex_prio, ex_idx, window)
     if k == 0:
         leave = arrival
     else:
@@ -169,60 +148,168 @@ def _decide_chunk_sorted(lr_prio, lr_idx, ex_prio, ex_idx, window):
     return leave[..., :k], leave[..., k:]
 
 
-def _decide_chunk_sequential(lr_prio, lr_idx, ex_prio, ex_idx, window):
-    b, h, k = lr_idx.shape
-    x = ex_idx.shape[-1]
-    valid = torch.cat([lr_idx >= 0, ex_idx >= 0], -1)
-    lr_prio = lr_prio.clone()
-    lr_idx = lr_idx.clone()
-    # which candidate (0..k-1 held at the start, k+i the i-th exit) sits in each slot
-    owner = torch.arange(k, device=lr_idx.device).expand(b, h, k).clone()
-    leave = torch.full((b, h, k + x), NEVER, dtype=torch.long, device=lr_idx.device)
-    for i in range(x):
-        e_idx, e_prio = ex_idx[..., i], ex_prio[..., i]
-        step = e_idx + window
-        slot, accept = decide_one(lr_prio, lr_idx, e_prio, e_idx)
-        if k > 0:
-            sel = slot.unsqueeze(-1)
-            prev_idx = lr_idx.gather(-1, sel).squeeze(-1)
-            prev_owner = owner.gather(-1, sel)
-            evict = accept & (prev_idx >= 0)
-            current = leave.gather(-1, prev_owner).squeeze(-1)
-            leave.scatter_(-1, prev_owner, torch.where(evict, step, current).unsqueeze(-1))
-            lr_idx.scatter_(-1, sel, torch.where(accept, e_idx, prev_idx).unsqueeze(-1))
-            lr_prio.scatter_(-1, sel, torch.where(accept, e_prio, lr_prio.gather(-1, sel).squeeze(-1)).unsqueeze(-1))
-            owner.scatter_(-1, sel, torch.where(accept.unsqueeze(-1), torch.full_like(prev_owner, k + i), prev_owner))
-        lost = ~accept & (e_idx >= 0)
-        leave[..., k + i] = torch.where(lost, step, leave[..., k + i])
-    leave = torch.where(valid, leave, torch.full_like(leave, -1))
-    return leave[..., :k], leave[..., k:]
+def commit_order(lr_leave: torch.Tensor, ex_leave: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """After a chunk decided by :func:`decide_chunk`: which candidates hold the ``k`` long-range slots.
 
-
-def reference_rule(
-    priorities: list[float], sinks: int, window: int, k: int
-) -> tuple[list[set[int]], list[int]]:
-    """Plain-Python token-by-token rule for one head (the test oracle for everything above).
-
-    ``priorities[t]`` is the frozen priority of token ``t``. Returns, for each step ``t``, the
-    set of token indices held after token ``t`` arrived, and the leave step of every token
-    (``-1`` if still held at the end).
+    Returns ``(order [b, h, k], kept [b, h, k])``: ``order`` indexes the candidate list (the ``k``
+    held tokens, then the chunk's exits), the survivors (``leave == NEVER``) first in candidate
+    order; ``kept`` is False where fewer than ``k`` survive (those slots become empty).
     """
-    held_lr: list[int] = []
-    leave = [-1] * len(priorities)
-    states: list[set[int]] = []
-    for t in range(len(priorities)):
-        e = t - window
-        if e >= sinks:
-            key = lambda i: (priorities[i], -i)
-            if len(held_lr) < k:
-                held_lr.append(e)
-            elif k > 0 and key(e) > min(key(i) for i in held_lr):
-                worst = min(held_lr, key=key)
-                held_lr.remove(worst)
-                leave[worst] = t
-                held_lr.append(e)
+    k = lr_leave.shape[-1]
+    keep = torch.cat([lr_leave == NEVER, ex_leave == NEVER], dim=-1)  # [b, h, k + X]
+    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[..., :k]
+    return order, keep.gather(-1, order)
+
+
+# --- whole sequences at once: static priorities known in advance (training, the teacher) ---
+
+
+def _kth_smallest_prefix(x: Tensor, hi: Tensor, kth: int) -> Tensor:
+    """Per row ``r`` and query ``j``: the ``kth``-smallest (0-based) value of ``x[r, :hi[r, j]]``.
+
+    ``x`` ``[R, n]`` holds distinct values in ``[0, n)``; queries with ``hi <= kth`` return
+    garbage (the caller masks them). A wavelet matrix, built and queried level by level.
+    """
+    R, n = x.shape
+    dev = x.device
+    ar = torch.arange(n, device=dev).expand(R, n)
+    zero = torch.zeros(R, 1, dtype=torch.long, device=dev)
+    lo = torch.zeros_like(hi)
+    k = torch.full_like(hi, kth)
+    res = torch.zeros_like(hi)
+    cur = x
+    for b in reversed(range(max(1, (n - 1).bit_length()))):
+        bit = (cur >> b) & 1
+        r0 = torch.cat([zero, (1 - bit).cumsum(1)], 1)  # r0[:, i]: zeros among cur[:, :i]
+        nz = r0[:, n:]  # [R, 1] zeros at this level
+        # stable partition for the next level: zeros first, then ones
+        dest = torch.where(bit == 0, r0[:, :n], nz + ar - r0[:, :n])
+        cur = torch.empty_like(cur).scatter_(1, dest, cur)
+        # descend: into the zeros if enough of them lie in [lo, hi), else into the ones
+        r0_lo, r0_hi = r0.gather(1, lo), r0.gather(1, hi)
+        z = r0_hi - r0_lo
+        left = k < z
+        lo = torch.where(left, r0_lo, nz + lo - r0_lo)
+        hi = torch.where(left, r0_hi, nz + hi - r0_hi)
+        k = torch.where(left, k, k - z)
+        res = res | ((~left).long() << b)
+    return res
+
+
+def leave_steps(priority: Tensor, sinks: int, window: int, k: int) -> Tensor:
+    """First query step at which each token is no longer held: LongTensor ``[b, h, S]``.
+
+    ``priority`` ``[b, h, S]`` is the static priority of each token (frozen at its exit; e.g.
+    ``score + lam * t``). Tokens ``t < sinks`` and tokens still held after step ``S - 1`` get
+    ``NEVER``; with ``k = 0`` every competitor leaves at ``t + window``. Ties: of equal priority,
+    the older token ranks higher. Key ``t`` is visible to query ``q`` iff ``t <= q < leave[t]``
+    (``kvpop.mask.visibility``). ``O(S log S)`` per head, no loop over tokens.
+
+    How leave steps are computed. Competitor ``t >= sinks`` exits at ``e_t = t + window``. It
+    leaves at its exit if ``k`` tokens ranked above it exited before, else at the exit of the
+    ``k``-th token ranked above it, in index order: with ``u_k(t)`` the ``k``-th smallest index
+    among the tokens ranked above ``t``, ``leave[t] = max(t, u_k(t)) + window`` (``NEVER`` if
+    fewer than ``k`` rank above it, or if that step is past the sequence). ``u_k`` for all tokens
+    at once is a prefix order statistic over the tokens listed best first, answered by a wavelet
+    matrix over the token indices: ``ceil(log2 S)`` levels, each a cumulative sum, a scatter and a
+    few gathers over ``[rows, S]`` tensors, no Python loop over tokens or heads.
+    """
+    if not isinstance(priority, Tensor) or priority.ndim != 3:
+        raise ValueError("priority must be a tensor [batch, heads, S]")
+    sinks, window, k = check_count("sinks", sinks), check_count("window", window), check_count("k", k)
+    b, h, S = priority.shape
+    dev = priority.device
+    leave = torch.full((b, h, S), NEVER, dtype=torch.long, device=dev)
+    n = S - sinks  # competitors
+    if n <= 0 or k >= n:
+        return leave
+    j = torch.arange(n, device=dev)
+    if k == 0:
+        comp = (j + sinks + window).expand(b, h, n)
+    else:
+        p = priority[..., sinks:]
+        if p.is_floating_point() and bool(torch.isnan(p).any()):
+            raise ValueError("priority contains NaN")
+        R = b * h
+        # competitors best first; a stable descending sort keeps the older of equal priorities first
+        order = torch.sort(p.reshape(R, n), dim=1, descending=True, stable=True).indices
+        above = torch.empty_like(order).scatter_(1, order, j.expand(R, n))  # how many rank above each token
+        uk = _kth_smallest_prefix(order, above, k - 1)
+        comp = torch.maximum(uk, j) + (sinks + window)
+        comp = torch.where(above >= k, comp, NEVER).view(b, h, n)
+    leave[..., sinks:] = torch.where(comp < S, comp, NEVER)
+    return leave
+
+
+def _ranks(p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, rank in ascending order of ``(priority, -t)`` (0 = worst), ``[R, n]``.
+
+    Reversing the row and sorting stably puts, among equal priorities, the larger ``t`` first
+    (i.e. lower), exactly the tie rule.
+    """
+    R, n = p.shape
+    order_rev = np.argsort(p[:, ::-1], axis=1, kind="stable")
+    order = (n - 1) - order_rev  # original indices, worst first
+    ranks = np.empty((R, n), dtype=np.int64)
+    np.put_along_axis(ranks, order, np.broadcast_to(np.arange(n, dtype=np.int64), (R, n)), axis=1)
+    return ranks, order
+
+
+def boundary_walk(priority: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rule over competitors that exit in order, one row at a time: ``(bnd, keep)``, ``[R, n]`` each.
+
+    ``priority [R, n]`` (float64) holds each row's competitors in exit order. ``bnd[r, j]`` is the
+    position (in that order) of the lowest-ranked long-range token when competitor ``j`` exits
+    (``-1`` while a slot is free, and always with ``k = 0``); ``keep[r, j]`` is ``1`` if ``j`` takes a
+    slot, else ``-1``. A heap of integer ranks per row: ``O(n log n)`` for the sort, ``O(n log k)``
+    for the walk (plain Python; the teacher of the boundary loss calls it on whole sequences).
+    """
+    R, n = priority.shape
+    bnd = np.full((R, n), -1, dtype=np.int64)
+    keep = np.full((R, n), -1, dtype=np.int8)
+    if n == 0 or k == 0:
+        return bnd, keep
+    ranks, of_rank = _ranks(priority)
+    fill = min(k, n)
+    for r in range(R):
+        rk, tok = ranks[r].tolist(), of_rank[r].tolist()
+        heap = rk[:fill]  # free slots: kept, no boundary
+        heapq.heapify(heap)
+        yb, bb = [1] * n, [-1] * n
+        for j in range(fill, n):
+            x, mn = rk[j], heap[0]
+            bb[j] = tok[mn]
+            if x > mn:
+                heapq.heapreplace(heap, x)
             else:
-                leave[e] = t
-        held = set(range(min(sinks, t + 1))) | set(range(max(sinks, t - window + 1), t + 1)) | set(held_lr)
-        states.append(held)
-    return states, leave
+                yb[j] = -1
+        keep[r], bnd[r] = yb, bb
+    return bnd, keep
+
+
+def kept_mask_static(priority: Tensor, window: int, budget_k: int, sinks: int) -> Tensor:
+    """Tokens held after all ``S`` tokens were processed by the rule: BoolTensor ``[b, h, S]``.
+
+    ``priority`` ``[b, h, S]`` is the static priority itself (e.g. ``target + lam * t``; see
+    ``static_priority``).  Held: sinks ``t < sinks``, the last ``window`` tokens
+    ``t >= S - window``, and the top ``budget_k`` competitors ``sinks <= t < S - window`` in the
+    order ``(priority, -t)`` (module doc).  Same device as ``priority``.
+    """
+    if not isinstance(priority, Tensor) or priority.ndim != 3:
+        raise ValueError("priority must be a tensor [batch, kv_heads, S]")
+    if bool(torch.isnan(priority).any()):
+        raise ValueError("priority contains NaN")
+    window = check_count("window", window)
+    budget_k = check_count("budget_k", budget_k)
+    sinks = check_count("sinks", sinks)
+    B, H, S = priority.shape
+    t = torch.arange(S, device=priority.device)
+    kept = (t < sinks) | (t >= S - window)
+    kept = kept.view(1, 1, S).expand(B, H, S).clone()
+    n = S - window - sinks
+    if n > 0 and budget_k > 0:
+        comp = priority[..., sinks : S - window]
+        # descending stable sort: ties keep the original (older first) order
+        order = torch.sort(comp, dim=-1, descending=True, stable=True).indices[..., :budget_k]
+        kept[..., sinks : S - window].scatter_(-1, order, True)
+    return kept

@@ -22,7 +22,7 @@ priorities the *older* token (smaller ``t``) ranks higher.  Consequences:
 
 Because the priority is static, the set after token ``t`` has competed is exactly the top
 ``budget_k`` of ``{sinks .. t}`` in this order (an evicted token could never re-enter), which
-``kept_mask_static`` uses.
+``kvpop.rule.kept_mask_static`` uses.
 
 Steps with a free slot (set not yet full) have ``y = +1`` trivially, ``t_bnd = -1`` and
 ``valid = False``: there is no boundary to compare against, so they are excluded from the
@@ -31,7 +31,6 @@ boundary loss.  With ``budget_k = 0`` every step has ``y = -1``, ``t_bnd = -1``,
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,13 +39,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = [
-    "TeacherLabels",
-    "kept_mask_static",
-    "static_priority",
-    "teacher_labels",
-    "teacher_labels_bruteforce",
-]
+from .rule import boundary_walk, check_count
+
+__all__ = ["TeacherLabels", "finish_labels", "label_steps", "static_priority", "teacher_labels",
+           "validate_labels_args"]
 
 
 @dataclass
@@ -74,12 +70,6 @@ class TeacherLabels:
         return TeacherLabels(*(getattr(self, f).to(device) for f in ("q", "t_new", "t_bnd", "y", "valid")))
 
 
-def _check_int(name: str, v, lo: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}; got {v!r}")
-    return int(v)
-
-
 def static_priority(target: Tensor, lam: float = 0.0) -> Tensor:
     """``target + lam * t`` in float64 (the teacher's static priority)."""
     if not isinstance(target, Tensor) or target.ndim != 3:
@@ -97,14 +87,14 @@ def static_priority(target: Tensor, lam: float = 0.0) -> Tensor:
     return p
 
 
-def _validate(target: Tensor, window, budget_k, sinks, lam) -> tuple[Tensor, int, int, int]:
-    window = _check_int("window", window)
-    budget_k = _check_int("budget_k", budget_k)
-    sinks = _check_int("sinks", sinks)
+def validate_labels_args(target: Tensor, window, budget_k, sinks, lam) -> tuple[Tensor, int, int, int]:
+    window = check_count("window", window)
+    budget_k = check_count("budget_k", budget_k)
+    sinks = check_count("sinks", sinks)
     return static_priority(target, lam), window, budget_k, sinks
 
 
-def _steps(S: int, window: int, sinks: int, query_steps, min_future) -> tuple[np.ndarray, np.ndarray]:
+def label_steps(S: int, window: int, sinks: int, query_steps, min_future) -> tuple[np.ndarray, np.ndarray]:
     """(all query steps, selected column indices into them)."""
     q_all = np.arange(sinks + window, S, dtype=np.int64)
     if query_steps is None:
@@ -118,11 +108,11 @@ def _steps(S: int, window: int, sinks: int, query_steps, min_future) -> tuple[np
             raise ValueError(f"query_steps must lie in [sinks + window, S - 1] = [{sinks + window}, {S - 1}]")
         sel = qs - (sinks + window)
     if min_future is not None:
-        _check_int("min_future", min_future)
+        check_count("min_future", min_future)
     return q_all, sel
 
 
-def _finish(q_all, sel, t_bnd, y, prio, window, min_future) -> TeacherLabels:
+def finish_labels(q_all, sel, t_bnd, y, prio, window, min_future) -> TeacherLabels:
     """Assemble outputs from full-length [R, Q] numpy arrays."""
     B, H, S = prio.shape
     q = q_all[sel]
@@ -145,20 +135,6 @@ def _finish(q_all, sel, t_bnd, y, prio, window, min_future) -> TeacherLabels:
         y=torch.from_numpy(np.ascontiguousarray(y)).to(torch.float32).view(shape),
         valid=torch.from_numpy(np.ascontiguousarray(valid)).view(shape),
     )
-
-
-def _ranks(p: np.ndarray) -> np.ndarray:
-    """Per row, rank in ascending order of ``(priority, -t)`` (0 = worst), ``[R, n]``.
-
-    Reversing the row and sorting stably puts, among equal priorities, the larger ``t`` first
-    (i.e. lower), exactly the tie rule.
-    """
-    R, n = p.shape
-    order_rev = np.argsort(p[:, ::-1], axis=1, kind="stable")
-    order = (n - 1) - order_rev  # original indices, worst first
-    ranks = np.empty((R, n), dtype=np.int64)
-    np.put_along_axis(ranks, order, np.broadcast_to(np.arange(n, dtype=np.int64), (R, n)), axis=1)
-    return ranks, order
 
 
 def teacher_labels(
@@ -192,109 +168,10 @@ def teacher_labels(
     Cost: a stable sort per head (``O(S log S)``) and one heap walk per head (``O(S log k)``,
     pure Python on integer ranks).  Stack layers into the batch dim to label them in one call.
     """
-    prio, window, budget_k, sinks = _validate(target, window, budget_k, sinks, lam)
+    prio, window, budget_k, sinks = validate_labels_args(target, window, budget_k, sinks, lam)
     B, H, S = prio.shape
-    q_all, sel = _steps(S, window, sinks, query_steps, min_future)
-    Qa = q_all.size
-    R = B * H
-    t_bnd = np.full((R, Qa), -1, dtype=np.int64)
-    y = np.full((R, Qa), -1, dtype=np.int8)
-    if Qa > 0 and budget_k > 0:
-        comp = prio.reshape(R, S)[:, sinks : sinks + Qa].numpy()  # competitors t = sinks .. S-1-w
-        ranks, tok_of_rank = _ranks(comp)
-        tok_of_rank = tok_of_rank + sinks
-        kk = budget_k
-        for r in range(R):
-            rk = ranks[r].tolist()
-            tok = tok_of_rank[r].tolist()
-            heap: list[int] = []
-            push = heapq.heappush
-            replace = heapq.heapreplace
-            yb = [1] * Qa
-            bb = [-1] * Qa
-            fill = min(kk, Qa)
-            for j in range(fill):  # free slots: keep, no boundary
-                push(heap, rk[j])
-            for j in range(fill, Qa):
-                x = rk[j]
-                mn = heap[0]
-                bb[j] = tok[mn]
-                if x > mn:
-                    replace(heap, x)
-                else:
-                    yb[j] = -1
-            y[r] = yb
-            t_bnd[r] = bb
-    elif Qa > 0:
-        pass  # budget 0: every exiting token dropped, no boundary
-    return _finish(q_all, sel, t_bnd, y, prio, window, min_future)
-
-
-def teacher_labels_bruteforce(
-    target: Tensor,
-    window: int,
-    budget_k: int,
-    sinks: int,
-    lam: float = 0.0,
-    query_steps: Sequence[int] | Tensor | None = None,
-    min_future: int | None = None,
-) -> TeacherLabels:
-    """Literal O(S * k) simulation of the rule (reference for tests); same outputs."""
-    prio, window, budget_k, sinks = _validate(target, window, budget_k, sinks, lam)
-    B, H, S = prio.shape
-    q_all, sel = _steps(S, window, sinks, query_steps, min_future)
-    Qa = q_all.size
-    R = B * H
-    p = prio.reshape(R, S).tolist()
-    t_bnd = np.full((R, Qa), -1, dtype=np.int64)
-    y = np.full((R, Qa), -1, dtype=np.int8)
-    for r in range(R):
-        pr = p[r]
-        held: list[int] = []
-        for j, q in enumerate(q_all.tolist()):
-            t = q - window
-            if len(held) < budget_k:
-                held.append(t)
-                y[r, j] = 1
-                continue
-            if budget_k == 0:
-                continue
-            # lowest priority; among equal priorities, the newest (largest t)
-            worst = held[0]
-            for u in held[1:]:
-                if pr[u] < pr[worst] or (pr[u] == pr[worst] and u > worst):
-                    worst = u
-            t_bnd[r, j] = worst
-            if pr[t] > pr[worst]:
-                held.remove(worst)
-                held.append(t)
-                y[r, j] = 1
-    return _finish(q_all, sel, t_bnd, y, prio, window, min_future)
-
-
-def kept_mask_static(priority: Tensor, window: int, budget_k: int, sinks: int) -> Tensor:
-    """Tokens held after all ``S`` tokens were processed by the rule: BoolTensor ``[b, h, S]``.
-
-    ``priority`` ``[b, h, S]`` is the static priority itself (e.g. ``target + lam * t``; see
-    ``static_priority``).  Held: sinks ``t < sinks``, the last ``window`` tokens
-    ``t >= S - window``, and the top ``budget_k`` competitors ``sinks <= t < S - window`` in the
-    order ``(priority, -t)`` (module doc).  Same device as ``priority``.
-    """
-    if not isinstance(priority, Tensor) or priority.ndim != 3:
-        raise ValueError("priority must be a tensor [batch, kv_heads, S]")
-    if bool(torch.isnan(priority).any()):
-        raise ValueError("priority contains NaN")
-    window = _check_int("window", window)
-    budget_k = _check_int("budget_k", budget_k)
-    sinks = _check_int("sinks", sinks)
-    B, H, S = priority.shape
-    t = torch.arange(S, device=priority.device)
-    kept = (t < sinks) | (t >= S - window)
-    kept = kept.view(1, 1, S).expand(B, H, S).clone()
-    n = S - window - sinks
-    if n > 0 and budget_k > 0:
-        comp = priority[..., sinks : S - window]
-        # descending stable sort: ties keep the original (older first) order
-        order = torch.sort(comp, dim=-1, descending=True, stable=True).indices[..., :budget_k]
-        kept[..., sinks : S - window].scatter_(-1, order, True)
-    return kept
+    q_all, sel = label_steps(S, window, sinks, query_steps, min_future)
+    comp = prio.reshape(B * H, S)[:, sinks : sinks + q_all.size].numpy()  # competitors t = sinks .. S-1-w
+    t_bnd, y = boundary_walk(comp, budget_k)
+    t_bnd = np.where(t_bnd >= 0, t_bnd + sinks, -1)
+    return finish_labels(q_all, sel, t_bnd, y, prio, window, min_future)

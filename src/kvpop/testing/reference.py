@@ -2,7 +2,7 @@
 
 It keeps *every* key in a transformers ``DynamicCache``, runs one token at a time, and keeps
 per head a plain Python list of the long-range tokens, decided by the same rule as
-``kvpop.rule.reference_rule``. Attention masks exactly the tokens the rule evicted. It shares
+``kvpop.testing.rule.reference_rule``. Attention masks exactly the tokens the rule evicted. It shares
 only the policies with :class:`kvpop.KVpopCache`, so agreement between the two (logits and
 held sets) checks the physical cache, the chunked prefill, the padding handling and the
 observed-attention statistics at once. Batch size 1 only; it is for tests, not for speed.
@@ -15,8 +15,9 @@ import math
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from .config import EvictionConfig, attention_shape
-from .policies import ExitBatch, Policy
+from ..attention import attention_implementation
+from ..config import EvictionConfig, attention_shape
+from ..policies import ExitBatch, Policy
 
 NAME = "kvpop_reference"
 _ACTIVE: list[MaskedReference] = []
@@ -45,19 +46,16 @@ class MaskedReference:
         """Logits ``[1, T, vocab]`` of the sequence fed one token at a time."""
         if input_ids.shape[0] != 1:
             raise ValueError("MaskedReference runs batch size 1")
-        config = self.model.config
-        previous = config._attn_implementation
-        cache = DynamicCache(config=config)
+        cache = DynamicCache(config=self.model.config)
         logits = []
         _ACTIVE.append(self)
-        config._attn_implementation = NAME
         try:
-            for i in range(input_ids.shape[1]):
-                self.t += 1
-                out = self.model(input_ids[:, i : i + 1], cache=cache, use_cache=True)
-                logits.append(out.logits)
+            with attention_implementation(self.model, NAME):
+                for i in range(input_ids.shape[1]):
+                    self.t += 1
+                    out = self.model(input_ids[:, i : i + 1], cache=cache, use_cache=True)
+                    logits.append(out.logits)
         finally:
-            config._attn_implementation = previous
             _ACTIVE.pop()
         return torch.cat(logits, dim=1)
 

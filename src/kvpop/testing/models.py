@@ -1,4 +1,4 @@
-"""Offline test helpers: tiny random models, a tiny tokenizer, and a tiny GGUF file.
+"""Tiny random models, a tiny tokenizer and a tiny GGUF file, built offline (for tests).
 
 Everything here is built locally (no hub access) and is small enough to run on a CPU in
 milliseconds. Other test files in the project import these helpers; keep the signatures stable.
@@ -18,21 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-__all__ = [
-    "ARCHS",
-    "BOS_ID",
-    "CHAT_TEMPLATE",
-    "EOS_ID",
-    "PAD_ID",
-    "UNK_ID",
-    "compile_unavailable",
-    "save_tiny_model",
-    "tiny_config",
-    "tiny_model",
-    "tiny_tokenizer",
-    "write_tiny_gguf",
-]
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -128,9 +113,9 @@ def compile_unavailable(reason: str) -> None:
 def random_learned_policy(model, kind: str = "mlstm", extra: bool = False, seed: int = 7):
     """A ``LearnedPolicy`` with a seeded random-init scorer for ``model`` (tests). ``extra``: the
     scorer also undoes RoPE, reads observed attention (windows None, 4, 1) and has a random tilt."""
-    from .policies import LearnedPolicy
-    from .rope import RopeSpec
-    from .scorers import ScorerConfig, build_scorer
+    from ..policies import LearnedPolicy
+    from ..rope import RopeSpec
+    from ..scorers import ScorerConfig, build_scorer
 
     text = model.config
     cfg = ScorerConfig(kind=kind, num_layers=text.num_hidden_layers, kv_heads=text.num_key_value_heads,
@@ -230,32 +215,34 @@ def write_tiny_gguf(
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     writer = gguf.GGUFWriter(os.fspath(path), "llama")
-    writer.add_name(name)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
     n_special = len(_SPECIAL_TOKENS)
-    writer.add_token_types(
-        [gguf.TokenType.CONTROL] * n_special + [gguf.TokenType.NORMAL] * (len(tokens) - n_special)
-    )
-    writer.add_token_merges([f"{a} {b}" for a, b in _MERGES])
-    writer.add_bos_token_id(tokenizer.bos_token_id)
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_unk_token_id(tokenizer.unk_token_id)
-    writer.add_pad_token_id(tokenizer.pad_token_id)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    metadata = {  # GGUFWriter.add_<name>(value), in this order
+        "name": name,
+        "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size,
+        "block_count": cfg.num_hidden_layers,
+        "feed_forward_length": cfg.intermediate_size,
+        "head_count": cfg.num_attention_heads,
+        "head_count_kv": cfg.num_key_value_heads,
+        "rope_dimension_count": head_dim,
+        "rope_freq_base": rope_theta,
+        "layer_norm_rms_eps": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size,
+        "file_type": gguf.LlamaFileType.ALL_F32,
+        "tokenizer_model": "gpt2",
+        "tokenizer_pre": "default",
+        "token_list": tokens,
+        "token_types": [gguf.TokenType.CONTROL] * n_special + [gguf.TokenType.NORMAL] * (len(tokens) - n_special),
+        "token_merges": [f"{a} {b}" for a, b in _MERGES],
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "unk_token_id": tokenizer.unk_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    for key, value in metadata.items():
+        getattr(writer, f"add_{key}")(value)
 
     sd = {k: v.detach().float() for k, v in model.state_dict().items()}
 
