@@ -25,6 +25,7 @@ from . import fused, rule
 from .attention import NAME as ATTN_NAME
 from .attention import KVpopOffset, attach
 from .config import (
+    BudgetArgs,
     EvictionConfig,
     ScorerSettingsWarning,
     attention_shape,
@@ -34,7 +35,6 @@ from .config import (
 )
 from .policies import DEFAULT_POLICY, DENSE, LEARNED_POLICIES, ExitBatch, Policy, get_policy, map_state
 from .rule import NEVER, decide_chunk
-from .validate import check_cache_args
 
 _PENDING = "_kvpop_layer"
 
@@ -619,37 +619,28 @@ class KVpopCache(Cache):
         config,
         budget: int | None = None,
         *,
-        k: int | None = None,
-        compression: float | None = None,
-        reference_length: int | None = None,
-        window: int | None = None,
-        sinks: int = 4,
         policy: str | Policy = DEFAULT_POLICY,
-        lam: float | None = None,
-        prefill_chunk: int | None = None,
         eviction: EvictionConfig | None = None,
         compile: bool = False,
-        **policy_kwargs,
+        **kwargs,
     ):
+        """``budget`` and the other keywords of :class:`kvpop.config.BudgetArgs` (``k``, ``compression``,
+        ``reference_length``, ``window``, ``sinks``, ``lam``, ``prefill_chunk``), or ``eviction=``; any
+        other keyword goes to the policy factory (e.g. ``path=`` a scorer checkpoint, ``seed=``)."""
         check_full_attention(config)
         if not isinstance(compile, bool):
             raise TypeError(f"compile must be True or False, got {compile!r}")
         # each argument's type and range, before a scorer loads (integral numbers such as numpy.int64 become int)
-        a = check_cache_args(budget=budget, k=k, compression=compression, reference_length=reference_length,
-                             window=window, sinks=sinks, lam=lam, prefill_chunk=prefill_chunk)  # fmt: skip
-        budget, k, compression, reference_length = a["budget"], a["k"], a["compression"], a["reference_length"]
-        window, sinks, lam, prefill_chunk = a["window"], a["sinks"], a["lam"], a["prefill_chunk"]
-        if eviction is not None and any(v is not None for v in (budget, k, compression, reference_length, window)):
+        args = BudgetArgs.pop_from(kwargs, budget).checked()
+        policy_kwargs = kwargs
+        if eviction is not None and args.states_budget:
             raise ValueError("give either eviction=EvictionConfig(...) or budget/k/compression/window, not both")
         if isinstance(policy, str) and policy in LEARNED_POLICIES:
             policy_kwargs.setdefault("config", config)  # a model loaded with an adapter bundle: its scorer
         pol = get_policy(policy, **policy_kwargs)
         if eviction is None:
             # the one resolver: unset window / lam come from a learned scorer's trained settings
-            eviction = resolve_eviction(
-                budget, k=k, compression=compression, reference_length=reference_length, window=window,
-                sinks=sinks, lam=lam, prefill_chunk=prefill_chunk, trained=pol.trained, source=_source(pol),
-            )  # fmt: skip
+            eviction = resolve_eviction(args, trained=pol.trained, source=_source(pol))
         elif pol.trained is not None:
             note = settings_note(eviction, pol.trained, _source(pol))
             if note:
@@ -742,30 +733,19 @@ def make_cache(
     policy: str | Policy = DEFAULT_POLICY,
     *,
     budget: int | None = None,
-    k: int | None = None,
-    compression: float | None = None,
-    reference_length: int | None = None,
-    window: int | None = None,
-    sinks: int = 4,
-    lam: float | None = None,
-    prefill_chunk: int | None = None,
     eviction: EvictionConfig | None = None,
     compile: bool = False,
-    **policy_kwargs,
+    **kwargs,
 ) -> KVpopCache | None:
     """A cache for ``model`` under ``policy``: ``None`` for ``"dense"`` (transformers' own cache).
 
     The one place that builds a cache from a policy name (``kvpop.generate``, the evaluation,
     the benchmarks and the CLI all call it). Unlike ``KVpopCache(model.config, ...)`` it has the
     model, so a learned policy also checks its checkpoint's weight hash, not only the config.
-    ``policy_kwargs`` go to the policy factory (e.g. ``path=`` a scorer checkpoint, ``seed=``).
+    ``kwargs``: the budget keywords and the policy factory's, as for :class:`KVpopCache`.
     """
     if isinstance(policy, str) and policy == DENSE:
         return None
     if isinstance(policy, str) and policy in LEARNED_POLICIES:
-        policy_kwargs.setdefault("model", model)
-    return KVpopCache(
-        model.config, budget, k=k, compression=compression, reference_length=reference_length, window=window,
-        sinks=sinks, policy=policy, lam=lam, prefill_chunk=prefill_chunk, eviction=eviction, compile=compile,
-        **policy_kwargs,
-    )  # fmt: skip
+        kwargs.setdefault("model", model)
+    return KVpopCache(model.config, budget, policy=policy, eviction=eviction, compile=compile, **kwargs)

@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from .config import BudgetArgs
 from .policies import DEFAULT_POLICY, KIND_TO_POLICY, policy_names
-from .validate import check_cache_args
 
 EVICTION_POLICIES = policy_names(teacher_forced=False)  # dense + every policy that can generate
 BENCHMARKS = ("targets", "generate", "overhead", "prefill", "gpu")
@@ -149,7 +149,7 @@ def _check_args(args) -> None:
     """The arguments a command can check alone, before the model loads (one line, exit code 2)."""
     kw = _cache_kwargs(args)
     try:
-        check_cache_args(**kw)
+        BudgetArgs(**kw).checked()
         if kw.get("budget") is not None and kw.get("window") is not None and kw["budget"] < kw["sinks"] + kw["window"]:
             raise ValueError(f"budget={kw['budget']} is smaller than sinks + window = {kw['sinks']} + {kw['window']}")
         if kw.get("compression") is not None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
+
+from .validate import check_int, check_number
 
 DEFAULT_WINDOW_FRACTION = 0.5  # window = B / 2 for every window-based policy (see default_window)
 
@@ -136,52 +138,100 @@ class EvictionConfig:
         return 1.0 - self.budget / reference_length
 
     @classmethod
-    def from_budget(
-        cls,
-        budget: int | None = None,
-        *,
-        k: int | None = None,
-        compression: float | None = None,
-        reference_length: int | None = None,
-        window: int | None = None,
-        sinks: int = 4,
-        lam: float = 0.0,
-        prefill_chunk: int | None = None,
-    ) -> EvictionConfig:
-        """Resolve exactly one of ``budget``, ``k`` or ``compression`` (+ ``reference_length``).
+    def from_budget(cls, budget: int | None = None, **kwargs) -> EvictionConfig:
+        """Resolve exactly one of ``budget``, ``k`` or ``compression`` (+ ``reference_length``), with the
+        other keywords of :class:`BudgetArgs`; ``window`` defaults to :func:`default_window` (``B / 2``),
+        ``lam`` to 0. This is the arithmetic only; a cache resolves its defaults (a learned scorer's
+        trained settings) through :func:`resolve_eviction`."""
+        return split_budget(BudgetArgs(budget, **kwargs))
 
-        ``window`` defaults to :func:`default_window` (``B / 2``). This is the arithmetic only; a cache
-        resolves its defaults (a learned scorer's trained settings) through :func:`resolve_eviction`.
-        """
-        given = [name for name, v in (("budget", budget), ("k", k), ("compression", compression)) if v is not None]
-        if len(given) != 1:
+
+@dataclass(frozen=True)
+class BudgetArgs:
+    """How a user states a cache's budget: the one list of these keywords (``KVpopCache``,
+    ``make_cache``, ``kvpop.generate``, :func:`resolve_eviction` and the CLI take them by name).
+
+    Exactly one of ``budget`` (``B`` slots per KV head), ``k`` (long-range slots, with ``window``)
+    or ``compression`` (with ``reference_length``: ``B = round((1 - compression) L)``). Unset
+    ``window`` / ``lam`` are resolved later (:func:`resolve_eviction`); ``prefill_chunk``: the
+    prefill sub-chunk (default: the window).
+    """
+
+    budget: int | None = None
+    k: int | None = None
+    compression: float | None = None
+    reference_length: int | None = None
+    window: int | None = None
+    sinks: int = 4
+    lam: float | None = None
+    prefill_chunk: int | None = None
+
+    def checked(self) -> BudgetArgs:
+        """Each argument's type and range alone (one error naming it, before anything is built);
+        integral numbers (``numpy.int64``, ...) become ``int``, ``compression`` and ``lam`` ``float``.
+        How they combine is :func:`split_budget`'s to say."""
+        return BudgetArgs(
+            budget=check_int("budget", self.budget, 1),
+            k=check_int("k", self.k, 0),
+            compression=check_number("compression", self.compression, above=0.0, below=1.0),
+            reference_length=check_int("reference_length", self.reference_length, 1),
+            window=check_int("window", self.window, 1),
+            sinks=check_int("sinks", self.sinks, 0, optional=False),
+            lam=check_number("lam", self.lam, minimum=0.0),
+            prefill_chunk=check_int("prefill_chunk", self.prefill_chunk, 1),
+        )
+
+    @property
+    def states_budget(self) -> bool:
+        """Whether any of the keywords that size the cache is given (they exclude ``eviction=``)."""
+        return any(v is not None for v in (self.budget, self.k, self.compression, self.reference_length, self.window))
+
+    @classmethod
+    def pop_from(cls, kwargs: dict, budget: int | None = None) -> BudgetArgs:
+        """The budget keywords taken out of ``kwargs`` (the rest stays: a policy's keywords)."""
+        given = {name: kwargs.pop(name) for name in BUDGET_KEYWORDS if name in kwargs}
+        if budget is not None and given.get("budget") is not None:
+            raise TypeError("budget given twice")
+        return cls(**{"budget": budget, **{n: v for n, v in given.items() if n != "budget" or v is not None}})
+
+
+BUDGET_KEYWORDS = tuple(f.name for f in fields(BudgetArgs))
+
+
+def split_budget(args: BudgetArgs) -> EvictionConfig:
+    """The arithmetic of :class:`BudgetArgs`: ``B = sinks + window + k`` from exactly one of
+    ``budget``, ``k`` or ``compression``; ``window`` defaults to :func:`default_window`, ``lam`` to 0."""
+    budget, k, compression, window, sinks = args.budget, args.k, args.compression, args.window, args.sinks
+    given = [name for name, v in (("budget", budget), ("k", k), ("compression", compression)) if v is not None]
+    if len(given) != 1:
+        raise ValueError(
+            "give exactly one of budget=B, k=K, or compression=r (with reference_length=L); "
+            f"got {given or 'none'}"
+        )
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be an int >= 1, got {window!r}")
+    if compression is not None:
+        budget = budget_of_compression(compression, args.reference_length)
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"budget must be a positive int, got {budget!r}")
+        if window is None:
+            window = default_window(budget, sinks)
+        if budget < sinks + window:
             raise ValueError(
-                "give exactly one of budget=B, k=K, or compression=r (with reference_length=L); "
-                f"got {given or 'none'}"
+                f"budget={budget} is smaller than sinks + window = {sinks} + {window} = {sinks + window}; "
+                "raise the budget or shrink the window"
             )
-        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-            raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be an int >= 1, got {window!r}")
-        if compression is not None:
-            budget = budget_of_compression(compression, reference_length)
-        if budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-                raise ValueError(f"budget must be a positive int, got {budget!r}")
-            if window is None:
-                window = default_window(budget, sinks)
-            if budget < sinks + window:
-                raise ValueError(
-                    f"budget={budget} is smaller than sinks + window = {sinks} + {window} = {sinks + window}; "
-                    "raise the budget or shrink the window"
-                )
-            k = budget - sinks - window
-        else:
-            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-                raise ValueError(f"k must be an int >= 0, got {k!r}")
-            if window is None:
-                raise ValueError("with k=K give window=W too (the budget is sinks + window + k)")
-        return cls(sinks=sinks, window=window, k=k, lam=lam, prefill_chunk=prefill_chunk)
+        k = budget - sinks - window
+    else:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"k must be an int >= 0, got {k!r}")
+        if window is None:
+            raise ValueError("with k=K give window=W too (the budget is sinks + window + k)")
+    lam = 0.0 if args.lam is None else args.lam
+    return EvictionConfig(sinks=sinks, window=window, k=k, lam=lam, prefill_chunk=args.prefill_chunk)
 
 
 def default_window(budget: int, sinks: int = 4, fraction: float = DEFAULT_WINDOW_FRACTION) -> int:
@@ -267,37 +317,32 @@ class TrainedSettings:
 
 
 def resolve_eviction(
-    budget: int | None = None,
+    budget: int | BudgetArgs | None = None,
     *,
-    k: int | None = None,
-    compression: float | None = None,
-    reference_length: int | None = None,
-    window: int | None = None,
-    sinks: int = 4,
-    lam: float | None = None,
-    prefill_chunk: int | None = None,
     trained: TrainedSettings | None = None,
     source: str = "the scorer",
     warn: bool = True,
+    **kwargs,
 ) -> EvictionConfig:
     """The one resolver of budget, window and lam: every path that builds a cache calls it.
 
-    Unset ``window`` / ``lam`` come from ``trained`` (a learned scorer's :class:`TrainedSettings`:
-    its window fraction of ``B`` at any budget, its lam), else the library defaults
-    (:func:`default_window`, ``lam = 0``). With ``trained``, a :class:`ScorerSettingsWarning` names
-    what differs from training: a budget outside its range, another window, another lam.
+    ``budget`` and ``kwargs`` are the keywords of :class:`BudgetArgs` (or ``budget`` is one). Unset ``window`` / ``lam``
+    come from ``trained`` (a learned scorer's :class:`TrainedSettings`: its window fraction of
+    ``B`` at any budget, its lam), else the library defaults (:func:`default_window`, ``lam = 0``).
+    With ``trained``, a :class:`ScorerSettingsWarning` names what differs from training: a budget
+    outside its range, another window, another lam.
     """
-    if compression is not None and budget is None and k is None:
-        b = budget_of_compression(compression, reference_length)
-    else:
-        b = budget
+    args = budget if isinstance(budget, BudgetArgs) and not kwargs else BudgetArgs(budget, **kwargs)
+    b = args.budget
+    if args.compression is not None and b is None and args.k is None:
+        b = budget_of_compression(args.compression, args.reference_length)
     resolved_budget = isinstance(b, int) and not isinstance(b, bool) and b >= 1
-    if window is None and k is None and resolved_budget and trained is not None:
-        window = trained.window_at(b, sinks if isinstance(sinks, int) else 4)
-    if lam is None:
-        lam = trained.lam if trained is not None else 0.0
-    ev = EvictionConfig.from_budget(budget, k=k, compression=compression, reference_length=reference_length,
-                                    window=window, sinks=sinks, lam=lam, prefill_chunk=prefill_chunk)  # fmt: skip
+    if trained is not None:
+        window, lam = args.window, args.lam
+        if window is None and args.k is None and resolved_budget:
+            window = trained.window_at(b, args.sinks if isinstance(args.sinks, int) else 4)
+        args = replace(args, window=window, lam=trained.lam if lam is None else lam)
+    ev = split_budget(args)
     if warn and trained is not None:
         note = settings_note(ev, trained, source)
         if note:

@@ -9,15 +9,16 @@ the prompt (prefill) and the new tokens (decode) took.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
 from .cache import KVpopCache, make_cache
+from .config import BudgetArgs
 from .models import kv_bytes_per_token
 from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy
-from .validate import check_cache_args, check_int, check_prompts
+from .validate import check_int, check_prompts
 
 # generate() options that crop the cache after verifying draft tokens (transformers' assisted decoding)
 CROPPING = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
@@ -79,30 +80,26 @@ def generate(
     prompt: str | list[str],
     *,
     policy: str | Policy = DEFAULT_POLICY,
-    budget: int | None = None,
-    k: int | None = None,
-    compression: float | None = None,
-    reference_length: int | None = None,
-    window: int | None = None,
-    sinks: int = 4,
-    lam: float | None = None,
     max_new_tokens: int = 128,
     chat: bool = False,
     allow_position_overflow: bool = False,
     compile: bool = False,
     policy_kwargs: dict | None = None,
-    **generate_kwargs,
+    **kwargs,
 ) -> GenerationResult:
     """Generate from ``prompt`` (a string or a batch of strings) with a bounded KV cache.
 
     ``policy`` is a name from ``kvpop.POLICIES``, ``"dense"``, or a :class:`Policy`; the default
     is the shipped mLSTM scorer (``"kvpop"``). ``policy_kwargs`` go to the policy factory (e.g.
     ``{"path": "scorer.safetensors"}``). The budget is ``budget=B``, ``k=K`` (+ ``window``), or
-    ``compression=r`` with ``reference_length=L``; ``window`` and the recency tilt ``lam``
-    default to what a learned scorer was trained with (else ``B / 2`` and 0). ``chat=True``
+    ``compression=r`` with ``reference_length=L`` (the keywords of :class:`kvpop.config.BudgetArgs`);
+    ``window`` and the recency tilt ``lam`` default to what a learned scorer was trained with (else
+    ``B / 2`` and 0). Any other keyword goes to ``model.generate``. ``chat=True``
     wraps each prompt in the tokenizer's chat template. ``compile=True`` compiles the cache's
     steady decode step (``KVpopCache(compile=True)``): a few seconds once, faster steps after.
     """
+    budget = BudgetArgs.pop_from(kwargs)
+    generate_kwargs = kwargs
     if isinstance(policy, str) and policy != DENSE and policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; known: {DENSE}, {', '.join(sorted(POLICIES))}")
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1, optional=False)
@@ -116,26 +113,13 @@ def generate(
                          "policy='dense'")  # fmt: skip
     prompts = check_prompts(prompt)
     if policy != DENSE:  # each budget argument alone, before anything is built (make_cache checks how they combine)
-        check_cache_args(budget=budget, k=k, compression=compression, reference_length=reference_length,
-                         window=window, sinks=sinks, lam=lam)  # fmt: skip
+        budget = budget.checked()
     if len(prompts) > 1 and tokenizer.padding_side != "left":
         raise ValueError(
             f"batched prompts need tokenizer.padding_side='left' (got {tokenizer.padding_side!r}): "
             "the cache skips left padding so that padding never takes a slot"
         )
-    cache = make_cache(
-        model,
-        policy,
-        budget=budget,
-        k=k,
-        compression=compression,
-        reference_length=reference_length,
-        window=window,
-        sinks=sinks,
-        lam=lam,
-        compile=compile,
-        **(policy_kwargs or {}),
-    )
+    cache = make_cache(model, policy, compile=compile, **asdict(budget), **(policy_kwargs or {}))
     if chat:
         prompts = [
             tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)

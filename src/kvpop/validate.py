@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_cache_args", "check_int", "check_number", "check_prompts"]
+__all__ = ["check_int", "check_number", "check_prompts"]
 
 
 def check_int(name: str, value, minimum: int | None = None, *, optional: bool = True) -> int | None:
@@ -48,24 +48,6 @@ def check_number(name: str, value, *, minimum: float | None = None, below: float
             rng = f"> {above:g}" if above is not None else f"< {below:g}"
         raise ValueError(f"{name} must be {rng}, got {value:g}")
     return value
-
-
-def check_cache_args(*, budget=None, k=None, compression=None, reference_length=None, window=None, sinks=4,
-                     lam=None, prefill_chunk=None) -> dict:  # fmt: skip
-    """The budget arguments of a cache (``KVpopCache``, ``make_cache``, ``kvpop.generate``, the CLI),
-    each checked alone and normalised (integral numbers to ``int``, ``compression`` and ``lam`` to
-    ``float``). How they combine (exactly one of budget / k / compression, ``B >= sinks + window``)
-    is :meth:`kvpop.config.EvictionConfig.from_budget`'s to say."""
-    return {
-        "budget": check_int("budget", budget, 1),
-        "k": check_int("k", k, 0),
-        "compression": check_number("compression", compression, above=0.0, below=1.0),
-        "reference_length": check_int("reference_length", reference_length, 1),
-        "window": check_int("window", window, 1),
-        "sinks": check_int("sinks", sinks, 0, optional=False),
-        "lam": check_number("lam", lam, minimum=0.0),
-        "prefill_chunk": check_int("prefill_chunk", prefill_chunk, 1),
-    }
 
 
 def check_prompts(prompt, name: str = "prompt") -> list[str]:
