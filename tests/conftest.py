@@ -2,6 +2,9 @@
 
 - Forces offline Hugging Face access for the whole test session (nothing may download).
 - One torch thread (``KVPOP_TEST_THREADS`` overrides).
+- Caches run their decode step eagerly unless a test asks for ``compile=True`` (``KVPOP_COMPILE=0``:
+  compiling every tiny shape a test makes would take most of the suite's time; the compiled path
+  has its own tests, and tests/test_fused.py checks that the default compiles).
 - Fixture ``kvpop_cache``: points ``KVPOP_CACHE_DIR`` at a fresh temp dir and returns it
   (use it in any test that converts a GGUF, so the user's cache is never touched).
 """
@@ -13,6 +16,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("KVPOP_COMPILE", "0")
 # Tests run tiny tensors: one intra-op thread avoids OpenMP spin overhead (and contention on shared CI cores).
 torch.set_num_threads(int(os.environ.get("KVPOP_TEST_THREADS", "1")))
 

@@ -1,4 +1,4 @@
-"""The fused steady decode step (kvpop.fused, kvpop.scorers.decode): equal to the general path, eager and compiled."""
+"""The fused steady decode step (kvpop.step, kvpop.scorers.decode): equal to the warm-up's masked step, eager and compiled."""
 
 import warnings
 
@@ -86,7 +86,7 @@ def test_decode_scores_equal_step_and_read():
 
 @pytest.mark.slow
 def test_compiled_step_equals_eager():
-    """compile=True (torch.compile of kvpop.fused) gives the eager decisions and outputs."""
+    """compile=True (inductor's code for kvpop.step's steady step) gives the eager decisions and outputs."""
     model = tiny_model("llama", num_hidden_layers=2)
     ids = _ids(70)
     for policy in ("kvpop+", "kvpop-mlp+", "h2o", "knorm", "random"):
@@ -101,7 +101,8 @@ def test_compiled_step_equals_eager():
         torch.testing.assert_close(la, _run(model, b, ids, 30), rtol=1e-4, atol=1e-4)
         for x, y in zip(a.layers, b.layers):
             assert torch.equal(x.slot_index, y.slot_index)
-            assert x._bound is not None  # the steps after the first ran through the bound step
+        assert _all_bound(a)  # the steps after the first ran through the bound step
+        assert a.compile_status == "compiled" and b.compile_status == "eager"
 
 
 @pytest.mark.slow
@@ -122,7 +123,11 @@ def test_compiled_step_equals_eager_in_bfloat16():
         torch.testing.assert_close(la, _run(model, b, ids, 30), rtol=tol, atol=tol)
         assert a.layers[0].keys.dtype == torch.bfloat16
         _assert_same_layers(a, b, rtol=1e-4, atol=1e-5)
-        assert all(x._bound is not None for x in a.layers)
+        assert _all_bound(a)
+
+
+def _all_bound(cache) -> bool:
+    return all(cache.compiled_step.bound.get(layer.layer_idx) is not None for layer in cache.layers)
 
 
 @pytest.mark.slow
@@ -151,7 +156,7 @@ def test_compiled_step_follows_reorder_and_reset():
         with torch.no_grad():
             model(ids[:, :30], past_key_values=cache)
         outs.append(torch.cat([la, lb, steps(cache, 30, 64)], 1))
-    if caches[0].layers[0]._bound is None:
+    if not caches[0].compiled_step.bound:
         compile_unavailable("the compiled step was never bound")
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
     for x, y in zip(*(c.layers for c in caches)):
@@ -190,9 +195,9 @@ def _toy(spec, w: tuple, state, x, buf):
 
 @pytest.mark.slow
 def test_direct_compiled_call_follows_its_inputs():
-    """kvpop.fused.Direct (inductor's code called without dynamo): one graph per layout and
+    """kvpop.compiled.Direct (inductor's code called without dynamo): one graph per layout and
     constant, the eager results, in-place writes kept, autograd left to the eager function."""
-    from kvpop.fused import Direct
+    from kvpop.compiled import Direct
 
     try:
         direct = Direct(_toy, {"cpp_wrapper": True, "cpp.threads": 1})
@@ -224,14 +229,14 @@ def test_direct_compiled_call_follows_its_inputs():
 
 
 @pytest.mark.slow
-def test_torch_compile_path_equals_eager(monkeypatch):
+def test_torch_compile_path_equals_eager():
     """The step as other devices (CUDA) compile it, through torch.compile and dynamo's handling of
     the in-place updates (buffers, statistics, scorer state), run here on the CPU: same outputs and
     decisions as eager. No bound step: only inductor's direct CPU code is bound."""
-    from kvpop import fused
+    from kvpop import compiled
 
     def via_dynamo(name, device_type="cpu"):
-        return fused.Dynamo(getattr(fused, name))  # what fused.compiled gives other devices
+        return compiled.Dynamo(compiled.STEPS[name])  # what compiled_code gives other devices
 
     model = tiny_model("llama", num_hidden_layers=2)
     ids = _ids(60, batch=2)
@@ -239,17 +244,16 @@ def test_torch_compile_path_equals_eager(monkeypatch):
     for policy in ("kvpop+", "h2o"):
         b = KVpopCache(model.config, policy=_policy(policy, model), **kw)
         want = _run(model, b, ids, 30)
-        monkeypatch.setattr(fused, "compiled", via_dynamo)
         a = KVpopCache(model.config, policy=_policy(policy, model), compile=True, **kw)
+        a.compiled_step.compiler = via_dynamo
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
             got = _run(model, a, ids, 30)
-        monkeypatch.undo()
         if any("compiling the decode step failed" in str(w.message) for w in caught):
             compile_unavailable("torch.compile failed and the step ran eagerly")
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         _assert_same_layers(a, b, rtol=1e-4, atol=1e-5)  # the scorer state: 40 steps in another float order
-        assert all(x._bound is None for x in a.layers)
+        assert not a.compiled_step.bound
 
 
 def _toy_tensors(spec, w: tuple, x, buf):
@@ -263,7 +267,7 @@ def test_direct_bind_replaces_only_the_dynamic_tensors():
     """Direct.bind: the bound graph with new dynamic tensors gives the eager results and writes in
     place; new tensors of another layout, dtype, or needing autograd do not fit; a dynamic tensor
     that is not among the arguments, or a function returning non-tensors, is not bound."""
-    from kvpop.fused import Direct
+    from kvpop.compiled import Direct
 
     try:
         direct = Direct(_toy_tensors, {"cpp_wrapper": True, "cpp.threads": 1, "memory_planning": True})
@@ -294,7 +298,7 @@ def test_direct_bind_replaces_only_the_dynamic_tensors():
 
 def test_compile_argument_is_checked():
     model = tiny_model("llama", num_hidden_layers=1)
-    with pytest.raises(TypeError, match="compile must be True or False"):
+    with pytest.raises(TypeError, match="compile must be True, False or None"):
         KVpopCache(model.config, budget=20, window=6, policy="h2o", compile="yes")
 
 
@@ -315,13 +319,14 @@ def test_bench_specs_floor_and_compile():
         model(_ids(20), past_key_values=floor)
     assert floor.layers[0].keys.shape[2] == 32  # B slots, whatever the context
     cache = cache_for_spec(model, "h2o@24+compile")
-    assert cache.budget == 24 and all(layer.compile for layer in cache.layers)
+    assert cache.budget == 24 and cache.compiled_step.enabled
+    assert not cache_for_spec(model, "h2o@24").compiled_step.enabled  # a spec without +compile: eager
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_observed_sums_equal_reference(seed):
     """The suffix-sum form of the chunk's observed-attention statistics equals the masked sums."""
-    from kvpop.cache import _observed_sums
+    from kvpop.observed import observed_sums
     from kvpop.testing.observed import observed_sums_reference
 
     g = torch.Generator().manual_seed(seed)
@@ -337,26 +342,37 @@ def test_observed_sums_equal_reference(seed):
     seen = (key_idx.unsqueeze(2) >= 0) & (age >= 0) & valid.view(b, 1, c, 1)
     p_mean = torch.rand(b, h, c, n + c, generator=g) * seen
     for obs in [(5, 2, 1), (1,), (3, 5)]:
-        got = _observed_sums(p_mean, key_idx, n_real, valid, w, obs)
+        got = observed_sums(p_mean, key_idx, n_real, valid, w, obs)
         torch.testing.assert_close(got, observed_sums_reference(p_mean, key_idx, n_real, valid, w, obs))
 
 
-def test_failed_compile_falls_back_to_eager_once(monkeypatch):
+def test_failed_compile_falls_back_to_eager_once():
     """A compiler that fails warns once and the step runs eagerly with the same result."""
-    from kvpop import fused
 
     def broken(name, device_type="cpu"):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(fused, "compiled", broken)
-    monkeypatch.setattr(fused, "COMPILE_ERROR", None)
     model = tiny_model("llama", num_hidden_layers=2)
     ids = _ids(40)
     kw = {"budget": 20, "window": 6, "sinks": 2}
     a = KVpopCache(model.config, policy="h2o", compile=True, **kw)
+    a.compiled_step.compiler = broken
     with pytest.warns(RuntimeWarning, match="no compiler here") as caught:
         la = _run(model, a, ids, 30)
     assert sum("no compiler here" in str(w.message) for w in caught) == 1
-    assert fused.COMPILE_ERROR is not None
+    assert a.compiled_step.error is not None and a.compile_status.startswith("eager (compiling failed")
     b = KVpopCache(model.config, policy="h2o", **kw)
     torch.testing.assert_close(la, _run(model, b, ids, 30), rtol=1e-5, atol=1e-5)
+
+
+def test_compile_is_on_by_default(monkeypatch):
+    """A cache compiles its steady step unless told (compile=False) or KVPOP_COMPILE=0 (this suite's setting)."""
+    model = tiny_model("llama", num_hidden_layers=1)
+    kw = {"budget": 20, "window": 6, "sinks": 2, "policy": "h2o"}
+    monkeypatch.delenv("KVPOP_COMPILE", raising=False)
+    cache = KVpopCache(model.config, **kw)
+    assert cache.compiled_step.enabled and cache.compile_status == "compiled (not reached)"
+    assert not KVpopCache(model.config, compile=False, **kw).compiled_step.enabled
+    monkeypatch.setenv("KVPOP_COMPILE", "0")
+    assert KVpopCache(model.config, **kw).compile_status == "eager"
+    assert KVpopCache(model.config, compile=True, **kw).compiled_step.enabled

@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 
+import kvpop
 from kvpop import KVpopCache
 from kvpop.testing import tiny_model
 
@@ -41,11 +42,12 @@ def test_layer_count_mismatch_is_a_clear_error():
     small = tiny_model("llama", num_hidden_layers=2)
     big = tiny_model("llama", num_hidden_layers=3)
     cache = KVpopCache(small.config, budget=24, window=6, sinks=2, policy="h2o")
-    KVpopCache(big.config, budget=24, window=6, sinks=2, policy="h2o")  # routes big's attention too
+    routes_big = KVpopCache(big.config, budget=24, window=6, sinks=2, policy="h2o")  # routes big's attention while it lives
     with pytest.raises(ValueError, match="2 layers.*layer 2"), torch.no_grad():
         big(_ids(30), cache=cache)
+    del routes_big
     cache = KVpopCache(big.config, budget=24, window=6, sinks=2, policy="h2o")  # 3 layers on a 2-layer model
-    with torch.no_grad():
+    with torch.no_grad(), kvpop.routed(small):  # small's own cache is gone: route its attention for the block
         small(_ids(30), cache=cache)
         with pytest.raises(ValueError, match="3 layers.*only 2"):
             small(_ids(1), cache=cache)
@@ -55,9 +57,10 @@ def test_head_shape_mismatch_is_a_clear_error():
     a = tiny_model("llama", num_key_value_heads=2)
     b = tiny_model("llama", num_key_value_heads=4)
     cache = KVpopCache(a.config, budget=24, window=6, sinks=2, policy="h2o")
-    KVpopCache(b.config, budget=24, window=6, sinks=2, policy="h2o")
+    routes_b = KVpopCache(b.config, budget=24, window=6, sinks=2, policy="h2o")  # routes b's attention while it lives
     with pytest.raises(ValueError, match="KV heads"), torch.no_grad():
         b(_ids(30), cache=cache)
+    del routes_b
 
 
 def test_same_model_still_works_after_the_checks():
@@ -108,9 +111,9 @@ class _WritesThenFails:
     bug or an out-of-memory inside the compiled code would)."""
 
     def __init__(self, name):
-        from kvpop import fused
+        from kvpop.compiled import STEPS
 
-        self.fn = getattr(fused, name)
+        self.fn = STEPS[name]
         self.calls = 0
 
     def prepare(self, args):
@@ -122,37 +125,33 @@ class _WritesThenFails:
         raise RuntimeError("boom inside the compiled step")
 
 
-def test_a_runtime_error_of_the_compiled_step_propagates_and_is_not_rerun(monkeypatch):
-    from kvpop import fused
-
+def test_a_runtime_error_of_the_compiled_step_propagates_and_is_not_rerun():
     steps = {}
-    monkeypatch.setattr(fused, "compiled", lambda name, device_type="cpu": steps.setdefault(name, _WritesThenFails(name)))
-    monkeypatch.setattr(fused, "COMPILE_ERROR", None)
     model = tiny_model("llama", num_hidden_layers=1)
     cache = KVpopCache(model.config, policy="knorm", budget=20, window=6, sinks=2, compile=True)
+    cache.compiled_step.compiler = lambda name, device_type="cpu": steps.setdefault(name, _WritesThenFails(name))
     with pytest.raises(RuntimeError, match="boom inside the compiled step"):
         _decode(model, cache, _ids(40), 30)
-    assert fused.COMPILE_ERROR is None  # compilation stays on: the compiler did not fail
-    assert steps["steady_scored"].calls == 1
+    assert cache.compiled_step.error is None  # compilation stays on: the compiler did not fail
+    assert steps["decode_scored"].calls == 1
 
 
 def test_a_compile_failure_runs_eagerly_but_a_failing_eager_step_is_not_blamed_on_the_compiler(monkeypatch):
-    from kvpop import fused
+    from kvpop import compiled
 
     def broken(name, device_type="cpu"):
-        raise fused.CompileFailed("no compiler here")
+        raise compiled.CompileFailed("no compiler here")
 
     def eager_bug(*args):
         raise IndexError("a bug of the step itself")
 
-    monkeypatch.setattr(fused, "compiled", broken)
-    monkeypatch.setattr(fused, "COMPILE_ERROR", None)
-    monkeypatch.setattr(fused, "steady_scored", eager_bug)
+    monkeypatch.setitem(compiled.STEPS, "decode_scored", eager_bug)
     model = tiny_model("llama", num_hidden_layers=1)
     cache = KVpopCache(model.config, policy="knorm", budget=20, window=6, sinks=2, compile=True)
+    cache.compiled_step.compiler = broken
     with pytest.raises(IndexError, match="a bug of the step itself"):
         _decode(model, cache, _ids(40), 30)
-    assert fused.COMPILE_ERROR is None
+    assert cache.compiled_step.error is None
 
 
 @pytest.mark.slow
@@ -163,13 +162,12 @@ def test_two_threads_compiling_at_once_keep_compilation_on(monkeypatch):
     import threading
     import time
 
-    from kvpop import fused
+    from kvpop import compiled
     from kvpop.testing import compile_unavailable
 
-    monkeypatch.setattr(fused, "COMPILE_ERROR", None)
-    fused.compiled.cache_clear()  # fresh graphs: both threads compile
+    store = compiled.CodeStore()  # fresh graphs: both threads compile
     active, most = [0], [0]
-    build = fused.Direct._build
+    build = compiled.Direct._build
 
     def spy(self, *args):
         active[0] += 1
@@ -180,11 +178,13 @@ def test_two_threads_compiling_at_once_keep_compilation_on(monkeypatch):
         finally:
             active[0] -= 1
 
-    monkeypatch.setattr(fused.Direct, "_build", spy)
+    monkeypatch.setattr(compiled.Direct, "_build", spy)
     models = [tiny_model("llama", num_hidden_layers=1) for _ in range(2)]
     ids = _ids(34)
     want = _decode(models[0], KVpopCache(models[0].config, policy="knorm", budget=20, window=6, sinks=2), ids, 30)
     caches = [KVpopCache(m.config, policy="knorm", budget=20, window=6, sinks=2, compile=True) for m in models]
+    for c in caches:
+        c.compiled_step.compiler = store
     for m, c in zip(models, caches):
         _decode(m, c, ids[:, :30], 30)  # prefill: the next step is the first steady one
     start, results, errors = threading.Barrier(2), [None, None], []
@@ -204,12 +204,12 @@ def test_two_threads_compiling_at_once_keep_compilation_on(monkeypatch):
         t.start()
     for t in threads:
         t.join()
-    fused.compiled.cache_clear()
-    if fused.COMPILE_ERROR is not None and "CURRENT_PATCHER" not in fused.COMPILE_ERROR and most[0] == 1:
-        compile_unavailable(fused.COMPILE_ERROR)
+    error = next((c.compiled_step.error for c in caches if c.compiled_step.error), None)
+    if error is not None and "CURRENT_PATCHER" not in error and most[0] == 1:
+        compile_unavailable(error)
     assert not errors, errors
     assert most[0] == 1  # one compilation at a time
-    assert fused.COMPILE_ERROR is None
+    assert error is None
     for r in results:
         torch.testing.assert_close(r, want[:, 1:], rtol=1e-4, atol=1e-4)
 

@@ -1,6 +1,6 @@
 """kvpop: a fixed-size KV cache for transformers by learned eviction (KVpop)."""
 
-from .attention import detach
+from .attention import detach, routed
 from .cache import KVpopCache, KVpopLayer, make_cache
 from .config import EvictionConfig
 from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy, get_policy, policy_names, register_policy
@@ -47,6 +47,7 @@ __all__ = [
     "model_summary",
     "policy_names",
     "register_policy",
+    "routed",
     "save_adapter_bundle",
     "save_scorer",
     "teacher_labels",

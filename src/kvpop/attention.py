@@ -1,17 +1,18 @@
-"""The ``kvpop`` attention implementation registered with transformers.
+"""Routing a model's attention through a KVpop cache, and switching attention implementations.
 
-transformers calls ``cache.update`` and then the configured attention function with the same
-key tensor. ``KVpopLayer.update`` tags that tensor; the function below sees the tag and lets the
-layer insert the chunk under the eviction rule and attend with its per-head visibility mask.
+transformers builds one attention mask per forward (the mask interface of the configured
+implementation) and then, per layer, calls ``cache.update`` and the configured attention
+function. A ``KVpopCache`` answers ``get_mask_sizes`` with a :class:`KVpopOffset` that carries
+its layers; :func:`kvpop_mask` turns that into a :class:`KVpopMask` (the 2D padding mask and the
+layers), and :func:`kvpop_attention` finds the layer through it (``mask.layers[layer_idx]``) and
+lets it insert the new tokens under the eviction rule and attend. Any other cache, or none, gets
+the model's own implementation and mask, bit for bit (tests/test_attention_routing.py).
 
-Decision (issue #13): creating a ``KVpopCache`` sets ``config._attn_implementation = "kvpop"``
-and leaves it so; for anything but a KVpop cache the routing is a no-op. The mask function
-builds the previous implementation's mask unless the cache's ``get_mask_sizes`` marks it as a
-KVpop layer (:class:`KVpopOffset`), and untagged attention calls go to the previous
-implementation (``sdpa``, or the model's own eager function) with that mask. So no cache,
-``DynamicCache`` and ``StaticCache`` give bit-identical results while a KVpop cache exists and
-after it is gone (tests/test_attention_routing.py). :func:`detach` restores the previous
-name for code that reads it.
+The ``kvpop`` implementation is set on the model's config while a :class:`Route` is held: each
+``KVpopCache`` holds one until it is detached (``cache.detach()``) or garbage-collected, and
+``with kvpop.routed(model):`` holds one for a block; when the last is released the model's
+previous implementation (``sdpa`` or ``eager``) is back. :func:`detach` restores it at once,
+whatever holds it (the caches then refuse to run).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Self
@@ -28,23 +30,21 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+__all__ = ["NAME", "KVpopMask", "KVpopOffset", "Route", "attention_implementation", "detach", "model_configs",
+           "register", "routed"]
+
 NAME = "kvpop"
 _BASE_ATTR = "_kvpop_base_attn"
 
 
 @dataclass
 class KVpopMask:
-    """What the model passes to attention under ``kvpop``: the 2D padding mask, and the base mask lazily."""
+    """What the model passes to attention under ``kvpop`` for a KVpop cache: the 2D padding mask and
+    the cache's layers (the attention finds its layer here)."""
 
     padding: torch.Tensor | None  # [batch, tokens seen + new] bool, True = real token
-    _base_kwargs: dict = field(repr=False, default_factory=dict)
-    _base_fn: object = field(repr=False, default=None)
+    layers: list = field(repr=False, default_factory=list)
     _new_tokens: dict = field(repr=False, default_factory=dict)  # q_len -> new_tokens(q_len), once per forward
-
-    def base_mask(self):
-        if self._base_fn is None:
-            return None
-        return self._base_fn(**self._base_kwargs)
 
     def new_tokens(self, q_len: int) -> torch.Tensor | None:
         """The new tokens' padding mask, or None when all of them are real: computed once per forward
@@ -59,11 +59,15 @@ class KVpopMask:
 
 
 class KVpopOffset(int):
-    """The ``kv_offset`` a KVpop layer reports from ``get_mask_sizes`` (always 0): it tells
-    :func:`kvpop_mask` that the mask is for a KVpop cache, which only needs the 2D padding mask."""
+    """The ``kv_offset`` a KVpop cache reports from ``get_mask_sizes`` (always 0): it tells
+    :func:`kvpop_mask` that the mask is for a KVpop cache, and carries the cache's layers."""
 
-    def __new__(cls) -> Self:
-        return super().__new__(cls, 0)
+    layers: list
+
+    def __new__(cls, layers: list) -> Self:
+        offset = super().__new__(cls, 0)
+        offset.layers = layers
+        return offset
 
 
 def _base_name(config) -> str:
@@ -71,11 +75,12 @@ def _base_name(config) -> str:
 
 
 def kvpop_mask(**kwargs):
-    config = kwargs.get("config")
-    base = ALL_MASK_ATTENTION_FUNCTIONS.get(_base_name(config), None)
-    if not isinstance(kwargs.get("kv_offset"), KVpopOffset):  # any other cache, or none: the base mask itself
-        return base(**kwargs) if base is not None else None
-    return KVpopMask(padding=kwargs.get("attention_mask"), _base_kwargs=kwargs, _base_fn=base)
+    """Mask interface of ``kvpop``: a :class:`KVpopMask` for a KVpop cache, the base mask otherwise."""
+    offset = kwargs.get("kv_offset")
+    if isinstance(offset, KVpopOffset):
+        return KVpopMask(padding=kwargs.get("attention_mask"), layers=offset.layers)
+    base = ALL_MASK_ATTENTION_FUNCTIONS.get(_base_name(kwargs.get("config")), None)
+    return base(**kwargs) if base is not None else None
 
 
 def _base_attention(module, base: str):
@@ -88,17 +93,14 @@ def _base_attention(module, base: str):
 
 
 def kvpop_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    layer = getattr(key, "_kvpop_layer", None)
+    """Attention under ``kvpop``: the KVpop layer's (found through the mask), else the base implementation's."""
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if layer is not None:
-        valid = attention_mask.new_tokens(query.shape[2]) if isinstance(attention_mask, KVpopMask) else None
-        if attention_mask is not None and not isinstance(attention_mask, KVpopMask):
-            raise ValueError("kvpop attention got a prepared 4D attention mask; pass the 2D padding mask instead")
-        return layer.attend(query, key, value, valid, scaling), None
-    mask = attention_mask.base_mask() if isinstance(attention_mask, KVpopMask) else attention_mask
+    if isinstance(attention_mask, KVpopMask):
+        layer = attention_mask.layers[module.layer_idx]
+        return layer.attend(query, key, value, attention_mask.new_tokens(query.shape[2]), scaling), None
     fn = _base_attention(module, _base_name(module.config))
-    return fn(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+    return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def register(name: str, attention, mask) -> None:
@@ -111,29 +113,101 @@ def register(name: str, attention, mask) -> None:
 register(NAME, kvpop_attention, kvpop_mask)
 
 
-def attach(config) -> None:
-    """Route the model's attention through kvpop (idempotent; remembers the previous implementation)."""
-    configs = [config]
+# --- holding the routing ------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Routing:
+    """One model's routing: its configs with their previous implementations, and how many hold it."""
+
+    configs: list  # [(config, previous implementation)]
+    holders: int = 0
+    detached: bool = False
+
+
+_ROUTINGS: dict[int, _Routing] = {}  # id(the model's config) -> its routing, while held
+_LOCK = threading.Lock()
+
+
+def _configs_of(config) -> list:
     text = config.get_text_config(decoder=True)
-    if text is not config:
-        configs.append(text)
-    for cfg in configs:
-        current = cfg._attn_implementation
-        if current != NAME:
-            if current not in (None, "sdpa", "eager"):
-                raise ValueError(
-                    f"kvpop supports models loaded with attn_implementation 'sdpa' or 'eager', got {current!r}"
-                )
-            object.__setattr__(cfg, _BASE_ATTR, current or "sdpa")
-            cfg._attn_implementation = NAME
+    return [config] if text is config else [config, text]
+
+
+class Route:
+    """A hold on a model's routing through kvpop (see the module doc): the model's config names the
+    ``kvpop`` implementation from the first hold until the last :meth:`release`. Also a context manager."""
+
+    def __init__(self, config) -> None:
+        with _LOCK:
+            routing = _ROUTINGS.get(id(config))
+            if routing is None:
+                saved = []
+                for cfg in _configs_of(config):
+                    current = cfg._attn_implementation
+                    if current != NAME and current not in (None, "sdpa", "eager"):
+                        raise ValueError(f"kvpop supports models loaded with attn_implementation 'sdpa' or 'eager', "
+                                         f"got {current!r}")  # fmt: skip
+                    saved.append((cfg, current))
+                for cfg, current in saved:
+                    if current != NAME:
+                        object.__setattr__(cfg, _BASE_ATTR, current or "sdpa")
+                        cfg._attn_implementation = NAME
+                routing = _ROUTINGS[id(config)] = _Routing(saved)
+            routing.holders += 1
+        self.config, self._routing, self._held = config, routing, True
+
+    @property
+    def active(self) -> bool:
+        """Held, not detached, and the config still names ``kvpop`` (nobody switched it since)."""
+        return self._held and not self._routing.detached and self.config._attn_implementation == NAME
+
+    def release(self) -> None:
+        """Let go (idempotent); the last hold restores the model's previous implementation."""
+        with _LOCK:
+            if not self._held:
+                return
+            self._held = False
+            routing = self._routing
+            routing.holders -= 1
+            if routing.holders == 0 and not routing.detached:
+                _restore(routing)
+                _ROUTINGS.pop(id(self.config), None)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def _restore(routing: _Routing) -> None:
+    for cfg, previous in routing.configs:
+        if cfg._attn_implementation == NAME:
+            cfg._attn_implementation = _base_name(cfg) if previous == NAME else previous
+
+
+def routed(model) -> Route:
+    """``with kvpop.routed(model):`` the model's attention runs through kvpop inside the block (caches
+    created there hold their own route, so a cache kept past the block keeps it until it is gone)."""
+    return Route(getattr(model, "config", model))
 
 
 def detach(config) -> None:
-    """Restore the attention implementation the model had before :func:`attach` (a KVpop cache
-    then no longer works with this model until another ``KVpopCache`` is created for it)."""
-    for cfg in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
+    """Restore the attention implementation the model had before kvpop routed it, whatever holds the
+    routing: the KVpop caches made for it then refuse to run (create a new one to route it again)."""
+    with _LOCK:
+        routing = _ROUTINGS.pop(id(config), None)
+        if routing is not None:
+            routing.detached = True
+            _restore(routing)
+            return
+    for cfg in _configs_of(config):  # routed by hand, or by an older kvpop: the name alone
         if cfg._attn_implementation == NAME:
             cfg._attn_implementation = _base_name(cfg)
+
+
+# --- switching the implementation for a block of code ---------------------------------------------
 
 
 def model_configs(model: torch.nn.Module) -> list:

@@ -7,9 +7,11 @@ earlier eviction decisions), averaged over the query heads of the KV group, and 
 last ``o`` of those queries for each observation window ``o``: ``o = window`` is H2O's
 statistic, ``o = 32`` SnapKV's, ``o = 1`` TOVA's. The learned scorers may read the same numbers.
 
-This module computes them from a whole sequence's queries and keys, as a training capture needs
-them: :func:`observed_attention` block by block in ``O(S * (window + block))`` memory. The plain
-per-query definition the tests hold it to is ``kvpop.testing.observed``.
+This module holds the statistic in each shape it is needed in: from a whole sequence's queries and
+keys, as a training capture needs them (:func:`observed_attention`, block by block in
+``O(S * (window + block))`` memory); and as a cache accumulates them, for a prefill chunk of
+queries (:func:`observed_sums`) and for one decode query (:func:`ring_contrib`). The plain
+per-query definitions the tests hold them to are in ``kvpop.testing.observed``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["observed_attention", "observed_attention_windows", "observed_counts", "observed_features",
-           "observed_windows"]
+           "observed_sums", "observed_windows", "ring_contrib"]
 
 
 def observed_windows(window: int, obs_windows: Sequence[int | None]) -> list[int]:
@@ -129,3 +131,33 @@ def observed_attention_windows(
         for w in ws:
             out[w][:, :, :s] = 0  # sinks never leave: nothing scores them
     return out
+
+
+# --- the same sums, as a cache accumulates them while it runs (kvpop.step) ---------------------------
+
+
+def observed_sums(p_mean, key_idx, n_real, valid, window: int, obs_windows) -> torch.Tensor:
+    """Per key, the attention it got from the chunk's queries that are at least ``window - o`` newer,
+    for each observation window ``o``: ``[b, h, n + c, n_obs]``.
+
+    A row's real queries are consecutive tokens after its left padding, so "at least ``a`` newer"
+    is a suffix of the chunk's queries: one reverse cumulative sum over the queries, read at each
+    key's first qualifying query, gives every window's sum (instead of one masked pass per window).
+    ``p_mean [b, h, c, n + c]`` is zero for padding queries and for keys a query does not observe.
+    ``kvpop.testing.observed.observed_sums_reference`` is the direct form; a test holds them together.
+    """
+    b, h, c, nk = p_mean.shape
+    suffix = torch.cat([p_mean.flip(2).cumsum(2).flip(2), p_mean.new_zeros(b, h, 1, nk)], 2)  # [b, h, c + 1, nk]
+    first_real = c - valid.long().sum(1)  # chunk position of each row's first real query
+    thr = torch.tensor([window - o for o in obs_windows], device=p_mean.device).view(1, 1, -1, 1)
+    start = (first_real - n_real).view(b, 1, 1, 1) + key_idx.unsqueeze(2) + thr  # [b, h, nobs, nk]
+    sums = suffix.gather(2, start.clamp(0, c))  # [b, h, nobs, nk]
+    return sums.transpose(2, 3)
+
+
+def ring_contrib(p_ring: Tensor, age: Tensor, window: int, obs_windows: Sequence[int]) -> Tensor:
+    """One decode query's part of the window's statistics, ``[b, h, w, n_obs]``: its attention to each
+    ring slot ``p_ring [b, h, w]`` counts for observation window ``o`` when the slot's token is at
+    least ``window - o`` older (``age [b, h, w]``)."""
+    thr = torch.tensor([window - o for o in obs_windows], device=p_ring.device)
+    return (age.unsqueeze(-1) >= thr) * p_ring.unsqueeze(-1)

@@ -351,7 +351,8 @@ def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int
             out_rows.append({"name": row, "step_ms": step, "vs_floor": step / floor, "vs_dense": step / dense,
                              "overhead_share": 1 - floor / step, "steps": len(st["times"]),
                              "first_step_s": st["first_s"], "prefill_s": st["prefill_s"],
-                             "prefill_tokens": st["prefilled"]})
+                             "prefill_tokens": st["prefilled"],
+                             "compile_status": getattr(st["cache"], "compile_status", None)})
         out_rows += errors
         res = {"context": ctx, "budget": budget, "batch": batch, "floor_ms": floor, "dense_ms": dense, "rows": out_rows}
         if device.type == "cuda":
@@ -473,10 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                                        rounds=a.rounds, model_overrides=json.loads(a.model),
                                        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                                        on_result=lambda res: (result.__setitem__("decode", res), save()))
-    from .. import fused
-
-    result["compile_error"] = fused.COMPILE_ERROR  # set when torch.compile failed and "+compile" rows ran eagerly
-    save()
+    save()  # each decode row records its cache's compile_status ("eager (compiling failed: ...)" when it fell back)
     print(f"wrote {out.with_suffix('.json')} and {plot(result, out)}")
     return 0
 

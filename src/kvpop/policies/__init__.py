@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import ExitBatch, Policy, map_state
+from .base import ExitBatch, Policy, PolicyKernels, map_state
 from .h2o import H2OPolicy
 from .knorm import KnormPolicy
 from .learned import KIND_TO_POLICY, LearnedPolicy, learned_policy_factory
@@ -71,6 +71,7 @@ __all__ = [
     "LearnedPolicy",
     "OraclePolicy",
     "Policy",
+    "PolicyKernels",
     "RandomPolicy",
     "SnapKVPolicy",
     "StreamingPolicy",

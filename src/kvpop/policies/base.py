@@ -125,9 +125,39 @@ class Policy:
         layer and device: a compiled cache binds them once for the steps that follow."""
         return None
 
+    def prepare(self, device) -> PolicyKernels:
+        """What a cache on ``device`` calls, per layer (:class:`PolicyKernels`): made once per cache and
+        device, so nothing per device is kept in the policy."""
+        return PolicyKernels(self, torch.device(device))
+
     def _own_steady(self, owner: type, fn: Callable, consts: tuple = ()) -> tuple[Callable, tuple] | None:
         """``(fn, consts)`` if ``score`` is still ``owner.score`` (not overridden below it), else None."""
         return (fn, consts) if type(self).score is owner.score else None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class PolicyKernels:
+    """A policy on one device, as a cache's steps (``kvpop.step``) call it: its scores, its
+    per-sequence state and its fused decode kernels for each layer. ``Policy.prepare(device)``
+    makes one; this default calls the policy's own methods with the device.
+    """
+
+    def __init__(self, policy: Policy, device: torch.device) -> None:
+        self.policy, self.device = policy, device
+        self.name, self.needs_attention, self.stateful = policy.name, policy.needs_attention, policy.stateful
+
+    def init_state(self, batch: int, kv_heads: int, layer_idx: int) -> State:
+        return self.policy.init_state(batch, kv_heads, layer_idx, self.device)
+
+    def score(self, state: State, batch: ExitBatch) -> tuple[State, torch.Tensor]:
+        return self.policy.score(state, batch)
+
+    def decode_kernel(self, layer_idx: int, window: int) -> tuple | None:
+        """``(DecodeSpec, params)`` for the fused steady step (the same object while unchanged), or None."""
+        return self.policy.decode_kernel(layer_idx, window, self.device)
+
+    def steady_score(self, layer_idx: int) -> tuple[Callable, tuple] | None:
+        """``(fn, consts)``: a pure score function for the fused steady step, or None."""
+        return self.policy.steady_score(layer_idx, self.device)

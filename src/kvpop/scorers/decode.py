@@ -7,7 +7,7 @@ quarter of a decode step. Here the steady state is written once, with the layer'
 as arguments (:func:`decode_params`) and its shape constants in a hashable :class:`DecodeSpec`:
 
 * eagerly it is the learned policy's decode path (about 40 ops per layer);
-* inside the cache's fused decode step (``kvpop.fused``) it is traced by ``torch.compile`` once
+* inside the cache's fused decode step (``kvpop.step``, compiled by ``kvpop.compiled``) it is traced once
   for all layers: same shapes, weights as inputs, no guards on module identity.
 
 Both equal ``step_and_read`` with one new and one read token to float tolerance (tests).

@@ -1,37 +1,38 @@
-"""A cache layer's decode step in the steady state, as pure functions of tensors.
+"""Compiling a cache's decode step: inductor's code for ``kvpop.step``'s steady functions.
 
-Once every slot is held and every row's oldest window token leaves at each step (where a long
-generation spends nearly all its steps), one single-token step of a layer is always the same:
-read the exiting token, score it, let the rule decide (``rule.decide_one_full``), write the
-buffers in place, attend over the ``B`` slots and, for policies that read observed attention,
-update the window's statistics. :meth:`KVpopLayer._attend_decode` keeps the general form (warm-up,
-rows without exits, any policy) as the reference; these functions are its steady state with the
-per-step branching and bookkeeping removed, and with static shapes, so ``torch.compile`` can
-fuse them (``KVpopCache(..., compile=True)``): one traced graph serves every layer, because the
-scorer weights are arguments (``kvpop.scorers.decode``), not module attributes.
+:class:`CompiledStep` (one per cache) owns the decision and the bookkeeping: whether the cache
+compiles, the compiled step each layer bound to its own buffers, and the fail-safe: only a
+failure to *compile* falls back to the eager step, and only before anything was written (each
+new input layout is compiled and run once on copies of its inputs, one compilation at a time in
+the process); an error of the compiled step itself (a shape bug, out of memory) propagates,
+because its in-place writes may have happened and an eager rerun would apply them twice.
 
-Tests hold both paths, eager and compiled, to the general one.
+Below it, the compiled code (:data:`compiled_code`, a :class:`CodeStore` shared by every cache of
+the process: the code of one input layout compiles once): on the CPU inductor's code called directly
+(:class:`Direct`, bound per layer by :class:`Bound`), on other devices ``torch.compile``
+(:class:`Dynamo`). Tests hold every compiled path to the eager one.
 """
 
 from __future__ import annotations
 
-import functools
+import os
 import threading
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from . import rule
-from .scorers.decode import DecodeSpec, decode_scores
+from . import step as steps
 
-__all__ = ["COMPILE_ERROR", "COMPILE_LOCK", "Bound", "CompileFailed", "Direct", "Dynamo", "StepSpec", "compiled",
-           "exit_gather", "steady_learned", "steady_scored", "steady_tail"]
+__all__ = ["COMPILE_LOCK", "STEPS", "Bound", "CodeStore", "CompileFailed", "CompiledStep", "Direct", "Dynamo",
+           "compile_default", "compiled_code"]
 
-COMPILE_ERROR: str | None = None  # set by the first failed compile: the process then runs these eagerly
 # One compilation at a time in the process: make_fx's tracer patches module globals and dynamo keeps
 # per-process state, so two threads compiling at once failed (3 runs in 7: "CURRENT_PATCHER is None").
 COMPILE_LOCK = threading.RLock()
+STEPS = {"decode_tail": steps.decode_tail, "decode_learned": steps.decode_learned, "decode_scored": steps.decode_scored}
 
 
 class CompileFailed(RuntimeError):
@@ -39,124 +40,144 @@ class CompileFailed(RuntimeError):
     caller holds was written, so the eager step may run instead."""
 
 
-@dataclass(frozen=True)
-class StepSpec:
-    """The shape constants of one cache's steady decode step (the same for all its layers)."""
-
-    sinks: int
-    window: int
-    k: int
-    scaling: float
-    lam: float
-    obs_windows: tuple[int, ...]  # observation windows of the statistics (empty: none kept)
+def compile_default() -> bool:
+    """Whether a cache compiles its decode step when not told: yes, unless ``KVPOP_COMPILE=0`` (the
+    test suite sets it, to spend its time on tests rather than on compiling tiny shapes)."""
+    return os.environ.get("KVPOP_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def exit_gather(spec: StepSpec, K: Tensor, V: Tensor, OBS: Tensor | None, t: Tensor):
-    """The exiting token's key, value and observed statistics: ``[b, h, 1, *]`` each (``OBS`` may be None)."""
-    s, w = spec.sinks, spec.window
-    b, h, _, d = K.shape
-    ring_off = (t - s) % w  # ring slot of the exiting token, which the new token takes
-    slot = (s + ring_off).view(b, 1, 1, 1)
-    ex_k = K.gather(2, slot.expand(b, h, 1, d))
-    ex_v = V.gather(2, slot.expand(b, h, 1, V.shape[-1]))
-    obs = None if OBS is None else OBS.gather(2, ring_off.view(b, 1, 1, 1).expand(b, h, 1, OBS.shape[-1]))
-    return ex_k, ex_v, obs
-
-
-def steady_tail(spec: StepSpec, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tensor, V: Tensor, SI: Tensor,
-                LP: Tensor, OBS: Tensor | None, t: Tensor, ex_k: Tensor, ex_v: Tensor, prio: Tensor):
-    """Rule, writes and attention of a steady step, after scoring.
-
-    ``K``/``V`` ``[b, h, B + 1, d]``, ``SI [b, h, B + 1]`` and ``LP [b, h, k + 1]`` are the layer's
-    buffers (with their trash slot) and ``OBS`` its window statistics (or None), all written IN
-    PLACE (a new tensor per step is an allocation and a new object per step, and both cost more
-    than the update in a compiled step); ``t [b]`` the new token's index; ``prio [b, h]`` the
-    exiting token's score. Returns ``(out [b, 1, hq, d], t + 1)``: the output in the layout the
-    model takes and the next token's index (computed here: one eager op less per layer and step).
-    """
-    s, w, kk = spec.sinks, spec.window, spec.k
-    n = s + w + kk
-    b, hq, _, d = q.shape
-    h = K.shape[1]
-    g = hq // h
-    ex_idx = t - w
-    prio = prio.float()
-    if spec.lam:
-        prio = prio + spec.lam * ex_idx.view(b, 1).float()
-    weakest, accept = rule.decide_one_full(LP[:, :, :kk], SI[:, :, s + w : n], prio, ex_idx.view(b, 1).expand(b, h))
-    dst = torch.where(accept, s + w + weakest, n)  # [b, h]; rejected: the trash slot
-    # index_put_ with (row, head, slot) indices: torch.compile writes it in place (a scatter_ on a
-    # graph input is copied whole)
-    bi = torch.arange(b, device=q.device).view(b, 1).expand(b, h)
-    hi = torch.arange(h, device=q.device).view(1, h).expand(b, h)
-    K.index_put_((bi, hi, dst), ex_k.view(b, h, -1))
-    V.index_put_((bi, hi, dst), ex_v.view(b, h, -1))
-    SI.index_put_((bi, hi, dst), ex_idx.view(b, 1).expand(b, h))
-    LP.index_put_((bi, hi, dst - (s + w)), prio)
-    ring_off = (t - s) % w
-    slot = (s + ring_off).view(b, 1).expand(b, h)
-    K.index_put_((bi, hi, slot), k_new.view(b, h, -1))
-    V.index_put_((bi, hi, slot), v_new.view(b, h, -1))
-    SI.index_put_((bi, hi, slot), t.view(b, 1).expand(b, h))
-    keys, values = K[:, :, :n], V[:, :, :n]
-    qg = q.view(b, h, g, d)
-    if OBS is None:
-        out = torch.nn.functional.scaled_dot_product_attention(qg, keys, values, scale=spec.scaling)
-        return out.reshape(b, hq, 1, -1).transpose(1, 2), t + 1
-    logits = torch.matmul(qg.float(), keys.float().transpose(-1, -2)) * spec.scaling  # [b, h, g, B]
-    # sinks and ring hold exactly the tokens still protected: their attention is what is observed
-    p_ring = torch.softmax(logits[..., : s + w], -1)[..., s:].mean(2)  # [b, h, w]
-    age = t.view(b, 1, 1) - SI[:, :, s : s + w]
-    thr = torch.tensor([w - o for o in spec.obs_windows], device=q.device)
-    contrib = (age.unsqueeze(-1) >= thr) * p_ring.unsqueeze(-1)  # [b, h, w, n_obs]
-    # the new token's ring slot restarts its statistics; the others accumulate
-    OBS.scatter_(2, ring_off.view(b, 1, 1, 1).expand(b, h, 1, OBS.shape[-1]), 0.0).add_(contrib)
-    out = torch.matmul(torch.softmax(logits, -1).to(values.dtype), values)
-    return out.reshape(b, hq, 1, -1).transpose(1, 2), t + 1
-
-
-def steady_learned(spec: StepSpec, sspec: DecodeSpec, params: tuple, state, q: Tensor, k_new: Tensor,
-                   v_new: Tensor, K: Tensor, V: Tensor, SI: Tensor, LP: Tensor, OBS: Tensor | None, t: Tensor):
-    """The whole steady step of a learned policy: read, score (``kvpop.scorers.decode``), rule,
-    writes, attention. The scorer's ``state`` (a tuple of tensors the caller owns, or None) is
-    updated IN PLACE, like the buffers (:func:`steady_tail`). Returns ``(out, t + 1)``."""
-    ex_k, ex_v, obs = exit_gather(spec, K, V, OBS, t)
-    new_state, prio = decode_scores(sspec, params, state, k_new, v_new, ex_k, ex_v, t, t - spec.window, obs)
-    if state is not None:
-        for old, new in zip(state, new_state):
-            old.copy_(new)
-    return steady_tail(spec, q, k_new, v_new, K, V, SI, LP, OBS, t, ex_k, ex_v, prio)
-
-
-def steady_scored(spec: StepSpec, score, consts: tuple, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tensor,
-                  V: Tensor, SI: Tensor, LP: Tensor, OBS: Tensor | None, t: Tensor):
-    """The whole steady step of a policy with a pure score function (``Policy.steady_score``):
-    read, ``score(consts, ex_k, ex_v, ex_obs, exit_index)``, rule, writes, attention. Returns
-    ``(out, t + 1)``."""
-    ex_k, ex_v, obs = exit_gather(spec, K, V, OBS, t)
-    prio = score(consts, ex_k, ex_v, obs, t - spec.window).reshape(K.shape[0], K.shape[1])
-    return steady_tail(spec, q, k_new, v_new, K, V, SI, LP, OBS, t, ex_k, ex_v, prio)
-
-
-@functools.cache
-def compiled(fn_name: str, device_type: str = "cpu"):
-    """One of the steady-step functions compiled for one device type (built on first use, shared
-    by all caches).
+class CodeStore:
+    """Compiled code of :data:`STEPS`, one per step and device type, built on first use; the process
+    shares one (:data:`compiled_code`), so the code of an input layout compiles once for all caches.
 
     On the CPU: inductor's code called directly (:class:`Direct`), one graph per input layout,
     which a cache layer binds for its repeated steps (:meth:`Direct.bind`). On other devices:
     ``torch.compile`` with inductor's defaults (Triton kernels on CUDA), ``dynamic=False``
     (decode shapes are static, so each budget and batch compiles once). Raises whatever the
-    compiler raises when no backend works here (the cache then falls back to the eager functions).
+    compiler raises when no backend works here.
     """
-    fn = {"steady_tail": steady_tail, "steady_learned": steady_learned, "steady_scored": steady_scored}[fn_name]
-    if device_type != "cpu":
-        return Dynamo(fn)
-    # a C++ wrapper (less Python per call) and single-threaded kernels: the tensors of one decode
-    # step are too small for a parallel region to pay for itself (measured: ~25 us less per layer
-    # at 2 threads); the matmuls still use torch's threads. Memory planning: the ~25 intermediates
-    # of a step share one allocation (measured in the model: 0.4 ms less per decode step)
-    return Direct(fn, {"cpp_wrapper": True, "cpp.threads": 1, "memory_planning": True})
+
+    def __init__(self) -> None:
+        self.code: dict[tuple[str, str], object] = {}
+
+    def __call__(self, fn_name: str, device_type: str = "cpu"):
+        key = (fn_name, device_type)
+        code = self.code.get(key)
+        if code is None:
+            with COMPILE_LOCK:
+                code = self.code.get(key)
+                if code is None:
+                    code = self.code[key] = self._make(STEPS[fn_name], device_type)
+        return code
+
+    @staticmethod
+    def _make(fn, device_type: str):
+        if device_type != "cpu":
+            return Dynamo(fn)
+        # a C++ wrapper (less Python per call) and single-threaded kernels: the tensors of one decode
+        # step are too small for a parallel region to pay for itself (measured: ~25 us less per layer
+        # at 2 threads); the matmuls still use torch's threads. Memory planning: the ~25 intermediates
+        # of a step share one allocation (measured in the model: 0.4 ms less per decode step)
+        return Direct(fn, {"cpp_wrapper": True, "cpp.threads": 1, "memory_planning": True})
+
+
+compiled_code = CodeStore()
+
+
+@dataclass(slots=True)
+class _Bound:
+    """A layer's compiled step with its own tensors bound, and what it was bound with: the layer uses
+    it while these are still the same objects."""
+
+    step: Bound
+    spec: steps.StepSpec
+    state: object  # the policy state (updated in place by the step)
+    observed: Tensor | None  # the window statistics (idem)
+    kernel: tuple | None  # the learned policy's decode kernel (None: a pure score function)
+
+
+class CompiledStep:
+    """One cache's compiled decode step (``KVpopCache(compile=...)``).
+
+    ``run`` calls a step of :data:`STEPS` compiled, or eagerly when this cache does not compile or
+    compiling failed here; ``bound`` / ``bind`` keep, per layer, the compiled CPU step with
+    everything but the new token's tensors fixed (:class:`Bound`); ``forget`` drops a layer's when
+    its buffers change. ``compiler`` is where compiled code comes from (:data:`compiled_code`;
+    tests give a failing one). ``status`` says what ran, for ``kvpop generate``.
+    """
+
+    def __init__(self, enabled: bool, compiler: Callable = compiled_code) -> None:
+        self.enabled, self.compiler = enabled, compiler
+        self.error: str | None = None  # why this cache runs eagerly after all (compiling failed)
+        self.ran = False  # a compiled step ran
+        self.bound: dict[int, _Bound] = {}
+        self._ready: dict[int, set[str]] = {}  # per layer: steps prepared for its current buffers
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and self.error is None
+
+    def status(self) -> str:
+        """``"compiled"``, ``"eager"`` (not asked), ``"eager (compiling failed: ...)"``, or
+        ``"compiled (not reached)"`` when no steady decode step ran yet."""
+        if not self.enabled:
+            return "eager"
+        if self.error is not None:
+            return f"eager (compiling failed: {self.error})"
+        return "compiled" if self.ran else "compiled (not reached)"
+
+    def forget(self, layer_idx: int) -> None:
+        """A layer's buffers changed: its bound step and prepared steps are stale."""
+        self.bound.pop(layer_idx, None)
+        self._ready.pop(layer_idx, None)
+
+    def run(self, layer_idx: int, name: str, args: tuple, device_type: str):
+        """``kvpop.step.<name>(*args)``, compiled when this cache compiles.
+
+        Only a failure to compile falls back to the eager function, and only before the step wrote
+        anything: the step is first compiled for these inputs (``prepare``: compiling and a first
+        run on copies of the inputs), then run. When the eager step then succeeds, the compiler is
+        what failed: this cache runs eagerly from then on, with one warning; when it fails too, its
+        error is raised and compilation stays on.
+        """
+        if not self.active:
+            return STEPS[name](*args)
+        try:
+            code = self._prepared(layer_idx, name, args, device_type)
+        except CompileFailed as exc:  # nothing written yet
+            out = STEPS[name](*args)  # an error here is the step's own, not the compiler's
+            self.error = str(exc)
+            warnings.warn(f"compiling the decode step failed ({self.error}); running it eagerly", RuntimeWarning,
+                          stacklevel=4)  # fmt: skip
+            return out
+        self.ran = True
+        return code(*args)
+
+    def _prepared(self, layer_idx: int, name: str, args: tuple, device_type: str):
+        try:
+            code = self.compiler(name, device_type)
+        except CompileFailed:
+            raise
+        except Exception as exc:  # no inductor, no backend for this device: nothing ran
+            raise CompileFailed(f"{type(exc).__name__}: {exc}") from exc
+        ready = self._ready.setdefault(layer_idx, set())
+        if name not in ready:  # once per layer and set of buffers (reset by forget)
+            prepare = getattr(code, "prepare", None)
+            if prepare is not None:
+                prepare(args)
+            ready.add(name)
+        return code
+
+    def bind(self, layer_idx: int, name: str, args: tuple, dynamic: tuple, spec, state, observed, kernel) -> None:
+        """Keep the compiled step just run with everything but ``dynamic`` bound, for the layer's next
+        steps (CPU only: other devices go through ``torch.compile``)."""
+        self.bound.pop(layer_idx, None)
+        if not self.active or dynamic[0].device.type != "cpu":
+            return
+        bind = getattr(self.compiler(name, "cpu"), "bind", None)
+        step = None if bind is None else bind(args, dynamic)
+        if step is not None:
+            self.bound[layer_idx] = _Bound(step, spec, state, observed, kernel)
 
 
 _TENSOR = object()  # marks where a tensor goes in an argument or result template
@@ -275,14 +296,20 @@ class Direct:
 
     def _graph(self, template: tuple, tensors: list[Tensor]):
         """``(run, out_template)`` for this layout, compiled on first use (one compilation at a time in
-        the process: :data:`COMPILE_LOCK`)."""
+        the process: :data:`COMPILE_LOCK`); a layout that failed to compile raises its
+        :class:`CompileFailed` again."""
         key = _layout_key(template, tensors)
         graph = self.graphs.get(key)
         if graph is None:
             with COMPILE_LOCK:
                 graph = self.graphs.get(key)  # another thread may have compiled it meanwhile
                 if graph is None:
-                    graph = self.graphs[key] = self._build(template, tensors)
+                    try:
+                        graph = self.graphs[key] = self._build(template, tensors)
+                    except CompileFailed as exc:
+                        graph = self.graphs[key] = exc  # not tried again: other caches fail fast
+        if isinstance(graph, CompileFailed):
+            raise graph
         return graph
 
     def _build(self, template: tuple, tensors: list[Tensor]):
