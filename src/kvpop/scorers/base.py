@@ -198,12 +198,14 @@ class BaseScorer(nn.Module):
                 f"expected kv_heads={self.kv_heads}, head_dim={self.head_dim}, got shape {tuple(k.shape)}")
 
 
-def _generator(seed: int) -> torch.Generator:
+def seeded_generator(seed: int) -> torch.Generator:
+    """A CPU generator seeded with ``seed``: scorer weights start the same on every device."""
     g = torch.Generator(device="cpu")
     g.manual_seed(int(seed))
     return g
 
 
-def _normal_(t: Tensor, std: float, g: torch.Generator) -> None:
+def normal_init_(t: Tensor, std: float, g: torch.Generator) -> None:
+    """Fill ``t`` in place with N(0, std^2) draws from ``g`` (drawn in float32 on the CPU)."""
     with torch.no_grad():
         t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).mul_(std).to(t.dtype))

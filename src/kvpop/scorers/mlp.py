@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import BaseScorer, ScorerConfig, _generator, _normal_, feature_dim, head_linear, kv_features
+from .base import BaseScorer, ScorerConfig, feature_dim, head_linear, kv_features, normal_init_, seeded_generator
 
 __all__ = ["KVpopMLP"]
 
@@ -50,9 +50,9 @@ class KVpopMLP(BaseScorer):
                    eps=config.eps, seed=config.seed + layer_idx, n_extra=config.n_extra)
 
     def reset_parameters(self, seed: int = 0) -> None:
-        g = _generator(seed)
-        _normal_(self.w1, 1.0 / math.sqrt(self.in_dim), g)
-        _normal_(self.w2, 1.0 / math.sqrt(self.hidden), g)
+        g = seeded_generator(seed)
+        normal_init_(self.w1, 1.0 / math.sqrt(self.in_dim), g)
+        normal_init_(self.w2, 1.0 / math.sqrt(self.hidden), g)
         with torch.no_grad():
             self.b1.zero_()
             self.b2.zero_()

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import BaseScorer, ScorerConfig, _generator, _normal_, feature_dim, head_linear, kv_features
+from .base import BaseScorer, ScorerConfig, feature_dim, head_linear, kv_features, normal_init_, seeded_generator
 
 __all__ = ["KVpopMLSTM", "MLSTMState"]
 
@@ -164,9 +164,9 @@ class KVpopMLSTM(BaseScorer):
     def reset_parameters(self, seed: int = 0) -> None:
         """Deterministic init: projections N(0, 1/Din), gate weights N(0, 0.1^2/Din), input-gate
         bias 0, forget-gate bias linspace(forget_bias) over heads, head N(0, 1/(dv+hidden))."""
-        g = _generator(seed)
-        _normal_(self.w_proj, 1.0 / math.sqrt(self.in_dim), g)
-        _normal_(self.w_out, 1.0 / math.sqrt(self.dv + self.hidden), g)
+        g = seeded_generator(seed)
+        normal_init_(self.w_proj, 1.0 / math.sqrt(self.in_dim), g)
+        normal_init_(self.w_out, 1.0 / math.sqrt(self.dv + self.hidden), g)
         with torch.no_grad():
             self.w_proj[:, :, self._o_gate:self._o_gate + 2].mul_(0.1)
             self.b_proj.zero_()
@@ -177,7 +177,7 @@ class KVpopMLSTM(BaseScorer):
             self.b_proj[:, self._o_gate + 1].copy_(fb.to(self.b_proj.dtype))
             self.b_out.zero_()
         if self.w_extra is not None:
-            _normal_(self.w_extra, 1.0 / math.sqrt(self.n_extra), g)
+            normal_init_(self.w_extra, 1.0 / math.sqrt(self.n_extra), g)
 
     # ----------------------------------------------------------------- helpers
     def _project(self, k: Tensor, v: Tensor) -> Tensor:
