@@ -46,21 +46,22 @@ def test_non_contiguous_attention_output(policy, monkeypatch):
 
 def test_learned_policy_follows_the_cache_device():
     """A scorer built on one device moves to the device of the keys a cache first sees (a model
-    moved to a GPU after the policy was made); its decode kernels are rebuilt for the new weights."""
+    moved to a GPU after the policy was made); kernels prepared after the move view the new weights."""
     model = tiny_model("llama", num_hidden_layers=2)
     policy = random_learned_policy(model)
     policy.scorer.double()  # stands for "another device": .to() must replace the weights the kernels view
-    kernel = policy.decode_kernel(0, 8)
-    assert policy.__dict__.get("_kernels")
-    policy.to(torch.device("cpu"))  # same device: nothing moves, the kernels stay
-    assert policy.decode_kernel(0, 8)[1][0] is kernel[1][0]
+    kernels = policy.prepare(torch.device("cpu"))
+    kernel = kernels.decode_kernel(0, 8)
+    assert kernels.decode_kernel(0, 8) is kernel  # one object while unchanged: a compiled step binds it
+    policy.to(torch.device("cpu"))  # same device: nothing moves, new kernels view the same weights
+    assert policy.prepare(torch.device("cpu")).decode_kernel(0, 8)[1][0].data_ptr() == kernel[1][0].data_ptr()
     moved = []
     policy.scorer.to = lambda device: moved.append(device)  # record instead of moving (no second device here)
     policy.to(torch.device("meta"))  # meta is never a target: building a cache on meta must not strip weights
     assert moved == []
     policy.scorer.parameters = lambda: iter([torch.zeros(1, device="meta")])
     policy.to(torch.device("cpu"))
-    assert moved == [torch.device("cpu")] and "_kernels" not in policy.__dict__
+    assert moved == [torch.device("cpu")]
 
 
 class _NaNAfter(Policy):

@@ -233,14 +233,15 @@ def test_a_learned_policy_keeps_one_scorer_per_device():
     with torch.no_grad():
         first = [model(ids[:, :30], cache=cache).logits[:, -1:]]
         first += [model(ids[:, i : i + 1], cache=cache).logits for i in range(30, 40)]
-    cpu_kernel = policy.decode_kernel(0, 6, cpu)
+    cpu_kernel = cache.prepared.on(cpu).decode_kernel(0, 6)
     # what a cache on the other device does when it starts: its state and kernels on its device
-    state = policy.init_state(1, 2, 0, meta)
-    meta_kernel = policy.decode_kernel(0, 6, meta)
+    on_meta = policy.prepare(meta)
+    state = on_meta.init_state(1, 2, 0)
+    meta_kernel = on_meta.decode_kernel(0, 6)
     assert all(t.device == meta for t in state)
     assert all(p.device == meta for p in meta_kernel[1] if isinstance(p, torch.Tensor))
     assert all(p.device == cpu for p in policy.scorer.parameters())
-    assert policy.decode_kernel(0, 6, cpu) is cpu_kernel  # untouched
+    assert cache.prepared.on(cpu).decode_kernel(0, 6) is cpu_kernel  # untouched
     with torch.no_grad():
         rest = [model(ids[:, i : i + 1], cache=cache).logits for i in range(40, 50)]
     torch.testing.assert_close(torch.cat(first + rest, 1), solo, rtol=1e-5, atol=1e-5)

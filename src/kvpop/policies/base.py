@@ -1,9 +1,11 @@
 """The policy protocol: how a token leaving the window gets its (frozen) score.
 
-A policy is *stateless*: it holds configuration (and, for the learned ones, weights) only, so
-one instance can serve any number of caches at once. Anything that depends on the sequences
-being generated lives in the cache layer that calls it:
+A policy is a frozen dataclass: configuration (and, for the learned ones, weights) only, so
+one instance, resolved once, serves any number of caches at once. Anything that depends on the
+device or on the sequences lives with the cache that uses it:
 
+* :meth:`Policy.prepare` gives the policy on one device (:class:`PolicyKernels`): what a cache's
+  steps call, per layer; a cache makes it once per device;
 * :meth:`Policy.init_state` makes a layer's per-sequence state (``None`` for most policies);
 * :meth:`Policy.score` takes that state and the chunk's exits and returns the new state with
   the scores.
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -71,8 +73,10 @@ def map_state(state: State, fn: Callable[[torch.Tensor], torch.Tensor]) -> State
     )
 
 
+@dataclass(frozen=True, eq=False)
 class Policy:
-    """Base class. Subclasses set ``name`` and implement :meth:`score`.
+    """Base class. Subclasses set ``name`` and implement :meth:`score`; built-in policies are frozen
+    dataclasses whose fields are their settings (a subclass that is not a dataclass still works).
 
     ``score`` returns ``(state, scores)`` with ``scores [b, h, X]`` finite floats; higher means
     keep. Scores of absent exits are ignored. ``uses_long_range = False`` turns the budget into
@@ -80,14 +84,14 @@ class Policy:
     call ``score`` for every chunk, also those without exits, so the state sees every token.
     """
 
-    name: str = "base"
-    needs_attention: bool = False
-    obs_window: int | None = None  # None: every query that had the token in its window
-    uses_long_range: bool = True
-    stateful: bool = False
+    name: ClassVar[str] = "base"
+    needs_attention: ClassVar[bool] = False
+    obs_window: ClassVar[int | None] = None  # None: every query that had the token in its window
+    uses_long_range: ClassVar[bool] = True
+    stateful: ClassVar[bool] = False
     # what a learned scorer was trained for (window fraction, budget range, lam); None: the library
     # defaults. Caches resolve their window and lam from it (kvpop.config.resolve_eviction).
-    trained: TrainedSettings | None = None
+    trained: ClassVar[TrainedSettings | None] = None
 
     def validate(self, config, eviction) -> None:
         """Refuse a model ``config`` / ``EvictionConfig`` this policy cannot serve. Must not mutate the policy."""
@@ -134,19 +138,19 @@ class Policy:
         """``(fn, consts)`` if ``score`` is still ``owner.score`` (not overridden below it), else None."""
         return (fn, consts) if type(self).score is owner.score else None
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
 
 
 class PolicyKernels:
     """A policy on one device, as a cache's steps (``kvpop.step``) call it: its scores, its
     per-sequence state and its fused decode kernels for each layer. ``Policy.prepare(device)``
-    makes one; this default calls the policy's own methods with the device.
+    makes one; this default calls the policy's own methods with the device (and keeps each layer's
+    ``steady_score``, which must not change for a policy, layer and device).
     """
 
     def __init__(self, policy: Policy, device: torch.device) -> None:
         self.policy, self.device = policy, device
         self.name, self.needs_attention, self.stateful = policy.name, policy.needs_attention, policy.stateful
+        self._steady: dict[int, tuple | None] = {}
 
     def init_state(self, batch: int, kv_heads: int, layer_idx: int) -> State:
         return self.policy.init_state(batch, kv_heads, layer_idx, self.device)
@@ -159,5 +163,8 @@ class PolicyKernels:
         return self.policy.decode_kernel(layer_idx, window, self.device)
 
     def steady_score(self, layer_idx: int) -> tuple[Callable, tuple] | None:
-        """``(fn, consts)``: a pure score function for the fused steady step, or None."""
-        return self.policy.steady_score(layer_idx, self.device)
+        """``(fn, consts)``: a pure score function for the fused steady step (the same object at every
+        step: a compiled cache binds it), or None."""
+        if layer_idx not in self._steady:
+            self._steady[layer_idx] = self.policy.steady_score(layer_idx, self.device)
+        return self._steady[layer_idx]

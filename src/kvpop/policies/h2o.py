@@ -6,9 +6,13 @@ in its window (exactly ``window`` queries for every token, so the sum is fair ac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from .observed import ObservedAttentionPolicy
 
 
+@dataclass(frozen=True, eq=False)
 class H2OPolicy(ObservedAttentionPolicy):
-    name = "h2o"
-    obs_window = None
+    name: ClassVar[str] = "h2o"
+    obs_window: ClassVar[int | None] = None

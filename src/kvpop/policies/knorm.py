@@ -6,13 +6,17 @@ so the score is the negative key norm.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from .base import ExitBatch, Policy
 
 
+@dataclass(frozen=True, eq=False)
 class KnormPolicy(Policy):
-    name = "knorm"
+    name: ClassVar[str] = "knorm"
 
     def score(self, state, batch: ExitBatch) -> tuple[None, torch.Tensor]:
         return state, _negative_norm((), batch.keys, None, None, None)

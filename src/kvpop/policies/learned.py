@@ -16,29 +16,50 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..config import TrainedSettings, attention_shape
 from ..scorers import ScorerStack
-from .base import ExitBatch, Policy
+from .base import ExitBatch, Policy, PolicyKernels
 
 KIND_TO_POLICY = {"mlstm": "kvpop", "mlp": "kvpop-mlp"}
 
 
+@dataclass(frozen=True, eq=False, repr=False)
 class LearnedPolicy(Policy):
-    name = "kvpop"
+    """A trained scorer behind the policy protocol; ``trained_for`` (a checkpoint's metadata) says
+    what it was trained for. Caches call its per-device kernels (:meth:`prepare`)."""
 
-    def __init__(self, scorer: ScorerStack, name: str | None = None, fingerprint: dict | None = None,
-                 source: str | None = None, trained_for: dict | None = None) -> None:  # fmt: skip
-        self.scorer = scorer.eval()
-        self.trained = TrainedSettings.from_meta(trained_for)  # checkpoint metadata: budget range, window fraction, lam
-        self.name = name or KIND_TO_POLICY[scorer.config.kind]
-        self.stateful = bool(scorer.is_stateful)
-        self.needs_attention = bool(scorer.config.observed)  # the scorer reads observed attention
-        self.fingerprint = fingerprint  # base-model fingerprint of the checkpoint (None: not from a checkpoint)
-        self.source = source or "(in memory)"
+    scorer: ScorerStack
+    fingerprint: dict | None = None  # base-model fingerprint of the checkpoint (None: not from a checkpoint)
+    source: str | None = None
+    trained_for: dict | None = None  # checkpoint metadata: budget range, window fraction, lam
+    # the scorer on each other device it was asked for (scorer_for): [copy, the original's parameter versions]
+    _copies: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.scorer.eval()
+        object.__setattr__(self, "source", self.source or "(in memory)")
+
+    @property
+    def name(self) -> str:
+        """``"kvpop"`` for an mLSTM scorer, ``"kvpop-mlp"`` for an MLP."""
+        return KIND_TO_POLICY[self.scorer.config.kind]
+
+    @property
+    def trained(self) -> TrainedSettings | None:
+        return TrainedSettings.from_meta(self.trained_for)
+
+    @property
+    def stateful(self) -> bool:
+        return bool(self.scorer.is_stateful)
+
+    @property
+    def needs_attention(self) -> bool:
+        return bool(self.scorer.config.observed)  # the scorer reads observed attention
 
     def validate(self, config, eviction) -> None:
         from ..checkpoint import ScorerMismatchError, check_fingerprint
@@ -58,31 +79,31 @@ class LearnedPolicy(Policy):
     def init_state(self, batch: int, num_kv_heads: int, layer_idx: int, device):
         return self.scorer_for(device)[layer_idx].init_state(batch, device=device, dtype=torch.float32)
 
+    def prepare(self, device) -> LearnedKernels:
+        """The scorer on ``device`` (:meth:`scorer_for`) and its decode kernels per layer."""
+        return LearnedKernels(self, torch.device(device))
+
     def scorer_for(self, device, refresh: bool = True) -> ScorerStack:
         """The scorer on ``device``: ``self.scorer`` where it lives, else a copy made for that device
         once and kept, so caches on two devices sharing this policy never move weights under each
-        other (before, each cache's first update moved the one scorer and the other cache found its
-        weights on the wrong device). With ``refresh`` (when a cache on that device starts, in
-        ``init_state``, and when its decode kernels are rebuilt), a copy whose original's weights
-        changed since is brought up to date in place, so its kernels' views stay valid; between
-        those it is what it was then. ``refresh=False``: a dictionary lookup (``score``)."""
+        other. With ``refresh`` (when a cache on that device prepares, and when its decode kernels
+        are rebuilt), a copy whose original's weights changed since is brought up to date in place,
+        so its kernels' views stay valid; between those it is what it was then. ``refresh=False``:
+        a dictionary lookup (``score``)."""
         device = torch.device(device)
-        replicas = self.__dict__.get("_replicas")
-        if replicas is None:
-            replicas = self.__dict__["_replicas"] = {}
-        hit = replicas.get(device)
+        hit = self._copies.get(device)
         if hit is not None and (hit[1] is None or not refresh):
             return hit[0]
         home = self.scorer
         p = next(home.parameters(), None)
         if p is None or p.device == device:
-            replicas[device] = [home, None]  # the original itself: never copied
+            self._copies[device] = [home, None]  # the original itself: never copied
             return home
         versions = tuple(q._version for q in home.parameters())
         if hit is None:
             import copy
 
-            hit = replicas[device] = [copy.deepcopy(home).to(device), versions]
+            hit = self._copies[device] = [copy.deepcopy(home).to(device), versions]
         elif hit[1] != versions:
             with torch.no_grad():
                 for mine, theirs in zip(hit[0].parameters(), home.parameters(), strict=True):
@@ -92,72 +113,81 @@ class LearnedPolicy(Policy):
 
     def to(self, device) -> LearnedPolicy:
         """Move ``self.scorer`` to ``device`` (the meta device is never a target: it would strip the
-        weights). Caches do not call this (they use :meth:`scorer_for`); per-device copies and
-        kernels are rebuilt."""
+        weights). Caches do not call this (they use :meth:`scorer_for`); per-device copies are made anew."""
         device = torch.device(device)
         p = next(self.scorer.parameters(), None)
         if p is not None and p.device != device and device.type != "meta":
             self.scorer.to(device)
-            self.__dict__.pop("_kernels", None)
-            self.__dict__.pop("_replicas", None)
+            self._copies.clear()
         return self
-
-    def decode_kernel(self, layer_idx: int, window: int, device=None):
-        """The scorer's decode spec and this layer's weights on ``device`` (None: where ``self.scorer``
-        is; see :meth:`scorer_for`) as detached views, kept between steps: in-place weight updates
-        show through them; the tilt is recomputed when it changes.
-
-        The same tuple object is returned until it changes, so a cache can tell by identity that
-        its compiled step is still current; this runs once per layer and decode step, so it reads
-        no module attribute (``nn.Module.__getattr__`` alone took ~0.5 us)."""
-        kernels = self.__dict__.get("_kernels")
-        if kernels is None:
-            kernels = self.__dict__["_kernels"] = {}
-        memo = kernels.get(device)
-        if memo is None:
-            scorer = self.scorer if device is None else self.scorer_for(device)
-            memo = kernels[device] = {"scorer": scorer, "theta": getattr(scorer, "tilt_theta", None)}
-        theta = memo["theta"]
-        version = None if theta is None else theta._version
-        hit = memo.get((layer_idx, window))
-        if hit is None or hit[0] != version:
-            from ..scorers.decode import decode_params
-
-            scorer = memo["scorer"] if device is None else self.scorer_for(device)
-            kernel = (scorer.decode_spec(window), decode_params(scorer, layer_idx))
-            hit = memo[(layer_idx, window)] = (version, kernel)
-        return hit[1]
 
     @torch.no_grad()
     def score(self, state, batch: ExitBatch):
-        c = batch.new_keys.shape[2]
-        dev = batch.new_keys.device
-        scorer = self.scorer_for(dev, refresh=False)
-        if c == 1 and batch.all_valid and batch.keys.shape[2] == 1:
-            # decode: one new and one exiting token per row, the scorer's single-step fast path
-            b = batch.new_keys.shape[0]
-            state, scores = scorer.decode_scores(
-                batch.layer_idx, state, batch.new_keys, batch.new_values, batch.keys, batch.values,
-                batch.new_index.view(b), batch.index.view(b), batch.attention, batch.window,
-            )
-            return state, scores.unsqueeze(-1)
-        mask = None if batch.all_valid else batch.new_index >= 0
-        # decode (one new token): read after it, the scorer's single-step fast path
-        read_steps = None if c == 1 else torch.arange(c, device=dev)
-        observed = batch.attention
-        if self.needs_attention and observed is None:  # a step without exits (the state still advances)
-            b, h, x, _ = batch.keys.shape
-            observed = batch.keys.new_zeros(b, h, x, len(self.scorer.config.observed), dtype=torch.float32)
-        state, scores = scorer.step_and_read(
-            batch.layer_idx, state, batch.new_keys.float(), batch.new_values.float(),
-            batch.keys.float(), batch.values.float(), read_steps, mask,
-            new_positions=batch.new_index, read_positions=batch.index,
-            observed=observed, window=batch.window,
-        )
-        return state, scores.float()
+        return learned_score(self.scorer_for(batch.new_keys.device, refresh=False), state, batch)
 
     def __repr__(self) -> str:
         return f"LearnedPolicy({self.name}, {os.path.basename(self.source)})"
+
+
+@torch.no_grad()
+def learned_score(scorer: ScorerStack, state, batch: ExitBatch):
+    """``Policy.score`` of a learned scorer: one new and one exiting token per row takes the scorer's
+    single-step decode path, anything else its chunk form (``step_and_read``)."""
+    c = batch.new_keys.shape[2]
+    if c == 1 and batch.all_valid and batch.keys.shape[2] == 1:
+        b = batch.new_keys.shape[0]
+        state, scores = scorer.decode_scores(
+            batch.layer_idx, state, batch.new_keys, batch.new_values, batch.keys, batch.values,
+            batch.new_index.view(b), batch.index.view(b), batch.attention, batch.window,
+        )  # fmt: skip
+        return state, scores.unsqueeze(-1)
+    mask = None if batch.all_valid else batch.new_index >= 0
+    read_steps = None if c == 1 else torch.arange(c, device=batch.new_keys.device)
+    observed = batch.attention
+    if scorer.config.observed and observed is None:  # a step without exits (the state still advances)
+        b, h, x, _ = batch.keys.shape
+        observed = batch.keys.new_zeros(b, h, x, len(scorer.config.observed), dtype=torch.float32)
+    state, scores = scorer.step_and_read(
+        batch.layer_idx, state, batch.new_keys.float(), batch.new_values.float(),
+        batch.keys.float(), batch.values.float(), read_steps, mask,
+        new_positions=batch.new_index, read_positions=batch.index,
+        observed=observed, window=batch.window,
+    )  # fmt: skip
+    return state, scores.float()
+
+
+class LearnedKernels(PolicyKernels):
+    """A learned policy on one device: its scorer there, and each layer's decode kernel
+    (``kvpop.scorers.decode``: the spec and the layer's weights as detached views, so in-place weight
+    updates show through them). A kernel is the same tuple object until the scorer's recency tilt
+    changes (it is computed, not a view), so a compiled cache can tell by identity that its bound
+    step is current; the lookup reads no module attribute (``nn.Module.__getattr__`` alone took
+    ~0.5 us, once per layer and decode step)."""
+
+    def __init__(self, policy: LearnedPolicy, device: torch.device) -> None:
+        super().__init__(policy, device)
+        self.scorer = policy.scorer_for(device)
+        self._theta = getattr(self.scorer, "tilt_theta", None)
+        self._kernels: dict[tuple[int, int], tuple] = {}  # (layer, window) -> (tilt version, kernel)
+
+    def init_state(self, batch: int, kv_heads: int, layer_idx: int):
+        return self.scorer[layer_idx].init_state(batch, device=self.device, dtype=torch.float32)
+
+    def score(self, state, batch: ExitBatch):
+        return learned_score(self.scorer, state, batch)
+
+    def decode_kernel(self, layer_idx: int, window: int) -> tuple:
+        version = None if self._theta is None else self._theta._version
+        hit = self._kernels.get((layer_idx, window))
+        if hit is None or hit[0] != version:
+            from ..scorers.decode import decode_params
+
+            scorer = self.scorer = self.policy.scorer_for(self.device)  # brought up to date (refresh)
+            hit = self._kernels[(layer_idx, window)] = (version, (scorer.decode_spec(window), decode_params(scorer, layer_idx)))
+        return hit[1]
+
+    def steady_score(self, layer_idx: int) -> None:
+        return None
 
 
 ADAPTER_ATTR = "kvpop_adapter"  # config attribute set by load_model(adapter=...): the bundle's folder

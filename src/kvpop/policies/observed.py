@@ -10,13 +10,17 @@ computes for free while attending (see ``ExitBatch.attention``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from .base import ExitBatch, Policy
 
 
+@dataclass(frozen=True, eq=False)
 class ObservedAttentionPolicy(Policy):
-    needs_attention = True
+    needs_attention: ClassVar[bool] = True
 
     def score(self, state, batch: ExitBatch) -> tuple[None, torch.Tensor]:
         if batch.attention is None:

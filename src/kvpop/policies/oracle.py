@@ -11,22 +11,27 @@ reordering keep every row on its own targets); targets of batch 1 serve every ro
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import torch
 
 from ..config import attention_shape
 from .base import ExitBatch, Policy
 
 
+@dataclass(frozen=True, eq=False)
 class OraclePolicy(Policy):
-    name = "oracle"
+    name: ClassVar[str] = "oracle"
+    targets: list[torch.Tensor] | None = field(default=None, repr=False)
 
-    def __init__(self, targets: list[torch.Tensor] | None = None) -> None:
-        if targets is None:
+    def __post_init__(self) -> None:
+        if self.targets is None:
             raise ValueError(
                 "the oracle policy needs targets: OraclePolicy(targets) with targets[layer] = [batch, kv_heads, S] "
                 "log future attention (kvpop.capture.collect(model, ids, window=W)); it cannot run in free generation"
             )
-        self.targets = [t.float() for t in targets]
+        object.__setattr__(self, "targets", [t.float() for t in self.targets])
 
     def validate(self, config, eviction) -> None:
         shape = attention_shape(config)

@@ -7,6 +7,9 @@ chunks, token by token, or a row alone or in a padded batch all evict the same t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from .base import ExitBatch, Policy
@@ -34,11 +37,13 @@ def _steady_hash(consts, keys, values, attention, index) -> torch.Tensor:
     return _hash(index.view(-1, 1, 1).double() * 12.9898 + head.double() * 78.233, offset)
 
 
+@dataclass(frozen=True, eq=False)
 class RandomPolicy(Policy):
-    name = "random"
+    name: ClassVar[str] = "random"
+    seed: int = 0
 
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = int(seed)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "seed", int(self.seed))
 
     def score(self, state, batch: ExitBatch) -> tuple[None, torch.Tensor]:
         b, h, x, _ = batch.keys.shape
@@ -47,11 +52,5 @@ class RandomPolicy(Policy):
         return state, hash_uniform(self.seed, batch.layer_idx, head, index)
 
     def steady_score(self, layer_idx: int, device: torch.device):
-        memo = self.__dict__.setdefault("_offsets", {})
-        key = (layer_idx, str(device))
-        if key not in memo:
-            memo[key] = (torch.tensor(_offset(self.seed, layer_idx), dtype=torch.float64, device=device),)
-        return self._own_steady(RandomPolicy, _steady_hash, memo[key])
-
-    def __repr__(self) -> str:
-        return f"RandomPolicy(seed={self.seed})"
+        offset = torch.tensor(_offset(self.seed, layer_idx), dtype=torch.float64, device=device)
+        return self._own_steady(RandomPolicy, _steady_hash, (offset,))

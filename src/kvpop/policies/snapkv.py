@@ -7,16 +7,18 @@ uses all of its window, see :meth:`Policy.observation_window`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from .observed import ObservedAttentionPolicy
 
 
+@dataclass(frozen=True, eq=False)
 class SnapKVPolicy(ObservedAttentionPolicy):
-    name = "snapkv"
+    name: ClassVar[str] = "snapkv"
+    obs_window: int = 32
 
-    def __init__(self, obs_window: int = 32) -> None:
-        if obs_window < 1:
-            raise ValueError(f"obs_window must be >= 1, got {obs_window}")
-        self.obs_window = int(obs_window)
-
-    def __repr__(self) -> str:
-        return f"SnapKVPolicy(obs_window={self.obs_window})"
+    def __post_init__(self) -> None:
+        if self.obs_window < 1:
+            raise ValueError(f"obs_window must be >= 1, got {self.obs_window}")
+        object.__setattr__(self, "obs_window", int(self.obs_window))

@@ -6,14 +6,18 @@ At an equal budget ``B`` the long-range slots are given to the window (``window 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
 from .base import ExitBatch, Policy
 
 
+@dataclass(frozen=True, eq=False)
 class StreamingPolicy(Policy):
-    name = "streaming"
-    uses_long_range = False
+    name: ClassVar[str] = "streaming"
+    uses_long_range: ClassVar[bool] = False
 
     def score(self, state, batch: ExitBatch) -> tuple[None, torch.Tensor]:
         b, h, x, _ = batch.keys.shape

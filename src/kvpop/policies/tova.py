@@ -6,9 +6,13 @@ query that still had it in its window (observation window of one query).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 from .observed import ObservedAttentionPolicy
 
 
+@dataclass(frozen=True, eq=False)
 class TovaPolicy(ObservedAttentionPolicy):
-    name = "tova"
-    obs_window = 1
+    name: ClassVar[str] = "tova"
+    obs_window: ClassVar[int | None] = 1
