@@ -24,6 +24,7 @@ from torch import Tensor
 from ..observed import observed_features
 from ..rope import unrotate
 from .base import head_linear, kv_features
+from .mlstm import mlstm_step
 
 __all__ = ["DecodeSpec", "decode_params", "decode_scores", "decode_spec"]
 
@@ -125,7 +126,7 @@ def decode_scores(spec: DecodeSpec, params: tuple, state, k_new: Tensor, v_new: 
 
 
 def _mlstm(spec: DecodeSpec, params: tuple, state, feats: Tensor, extra: Tensor | None):
-    """The mLSTM's ``_update1`` and ``_read_h`` + head, for ``feats`` rows (new, read).
+    """The mLSTM's step (:func:`kvpop.scorers.mlstm.mlstm_step`) and readout + head, for ``feats`` rows (new, read).
 
     The small products (observed inputs, readout, head) are written as broadcast-and-sum, not
     matmuls: ``torch.compile`` fuses those into its loops instead of calling BLAS for a dot product.
@@ -140,13 +141,8 @@ def _mlstm(spec: DecodeSpec, params: tuple, state, feats: Tensor, extra: Tensor 
     if extra is not None:
         r = r + (extra.unsqueeze(-1) * w_extra).sum(-2)
     qq, u = r[..., :dk] * spec.q_scale, r[..., dk:]
-    C0, n0, m0 = state
-    mg = (F.logsigmoid(fg) if spec.sigmoid_gate else fg) + m0
-    m_new = torch.maximum(mg, ig)  # finite: ig is
-    d1 = torch.exp(mg - m_new)
-    wk = torch.exp(ig - m_new).unsqueeze(-1) * kk  # [b, h, dk]
-    C = torch.addcmul(d1[..., None, None] * C0, wk.unsqueeze(-1), vv.unsqueeze(-2))
-    n = torch.addcmul(wk, d1.unsqueeze(-1), n0)
+    state = mlstm_step(state, kk, vv, ig, F.logsigmoid(fg) if spec.sigmoid_gate else fg)
+    C, n, m_new = state
     num = (qq.unsqueeze(-1) * C).sum(-2)  # [b, h, dv] = C^T q
     den = torch.maximum((qq * n).sum(-1).abs(), torch.exp(-m_new))
     hr = num / den.unsqueeze(-1)
@@ -154,4 +150,4 @@ def _mlstm(spec: DecodeSpec, params: tuple, state, feats: Tensor, extra: Tensor 
         hr = hr * torch.rsqrt((hr * hr).sum(-1, keepdim=True).mul(1.0 / dv).add(spec.eps))
     z = torch.cat([hr, F.silu(u)], -1) if spec.read_mlp else hr
     scores = (z * w_out.squeeze(-1)).sum(-1) + b_out
-    return type(state)(C, n, m_new), scores
+    return state, scores

@@ -54,7 +54,7 @@ from torch import Tensor, nn
 
 from .base import BaseScorer, ScorerConfig, feature_dim, head_linear, kv_features, normal_init_, seeded_generator
 
-__all__ = ["KVpopMLSTM", "MLSTMState"]
+__all__ = ["KVpopMLSTM", "MLSTMState", "mlstm_step"]
 
 _NEG_INF = float("-inf")
 
@@ -105,6 +105,20 @@ def _read_h(state: MLSTMState, qq: Tensor, nonempty: bool = False) -> Tensor:
     den = torch.matmul(qq, n0.unsqueeze(-1))
     den = torch.maximum(den.abs(), torch.exp(-m0)[..., None, None])
     return num / den
+
+
+def mlstm_step(state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor) -> MLSTMState:
+    """The recurrence (module docstring) for one token per row: ``kk [b, h, dk]``, ``vv [b, h, dv]``,
+    ``ig``/``logf [b, h]`` (the input gate and the log forget gate). The one step that the module's
+    ``step`` and the decode path (``kvpop.scorers.decode``) share; ``m`` stays finite (``ig`` is)."""
+    C0, n0, m0 = state
+    mg = logf + m0
+    m_new = torch.maximum(mg, ig)
+    d1 = torch.exp(mg - m_new)
+    wk = torch.exp(ig - m_new).unsqueeze(-1) * kk  # [b, h, dk]
+    C = torch.addcmul(d1[..., None, None] * C0, wk.unsqueeze(-1), vv.unsqueeze(-2))
+    n = torch.addcmul(wk, d1.unsqueeze(-1), n0)
+    return type(state)(C, n, m_new)
 
 
 class KVpopMLSTM(BaseScorer):
@@ -256,21 +270,13 @@ class KVpopMLSTM(BaseScorer):
     @staticmethod
     def _update1(state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor,
                  mask: Tensor | None) -> MLSTMState:
-        """Fast path for ONE new token (kk [b,h,1,dk], ig/logf [b,h,1])."""
-        C0, n0, m0 = state
-        ig = ig.squeeze(-1)
-        mg = logf.squeeze(-1) + m0
-        m_new = torch.maximum(mg, ig)  # finite (ig is), so no empty-state guard needed
-        d1 = torch.exp(mg - m_new).unsqueeze(-1)  # [b, h, 1]
-        wk = torch.exp(ig - m_new).unsqueeze(-1) * kk.squeeze(-2)  # [b, h, dk]
-        C = torch.addcmul(d1.unsqueeze(-1) * C0, wk.unsqueeze(-1), vv)  # vv [b, h, 1, dv]
-        n = torch.addcmul(wk, d1, n0)
-        if mask is not None:
-            keep = mask.to(device=C.device, dtype=torch.bool).reshape(-1, 1)  # [b, 1]
-            C = torch.where(keep[..., None, None], C, C0)
-            n = torch.where(keep[..., None], n, n0)
-            m_new = torch.where(keep, m_new, m0)
-        return MLSTMState(C, n, m_new)
+        """Fast path for ONE new token (kk [b,h,1,dk], ig/logf [b,h,1]): :func:`mlstm_step`."""
+        new = mlstm_step(state, kk.squeeze(-2), vv.squeeze(-2), ig.squeeze(-1), logf.squeeze(-1))
+        if mask is None:
+            return new
+        keep = mask.to(device=new.C.device, dtype=torch.bool).reshape(-1, 1)  # [b, 1]
+        return MLSTMState(torch.where(keep[..., None, None], new.C, state.C),
+                          torch.where(keep[..., None], new.n, state.n), torch.where(keep, new.m, state.m))
 
     # ------------------------------------------------ general parallel readout
     def _scan(self, state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor, qq: Tensor,
