@@ -51,6 +51,24 @@ def test_generate_prompt_file_reports_speed_and_memory_quietly(tiny, capsys):
     assert "policy=knorm KVpopCache(sinks=4, window=4, k=8, budget=16" in err
     assert "tok/s" in err and "prompt 492 tokens" in err and "generated 6 tokens" in err
     assert "KV cache held 8.0 KiB vs" in err and "dense" in err
+    assert "decode step: eager" in err  # KVPOP_COMPILE=0 in this suite (tests/conftest.py)
+
+
+@pytest.mark.slow
+def test_generate_says_it_ran_the_compiled_step_by_default(tiny, capsys, monkeypatch):
+    """A fresh `kvpop generate` compiles its steady decode step unless --no-compile, and says which ran."""
+    from kvpop.testing import compile_unavailable
+
+    root, _ = tiny
+    monkeypatch.delenv("KVPOP_COMPILE", raising=False)
+    assert main(["generate", "--model", str(root / "model"), "--prompt", "hello there", "--policy", "knorm",
+                 "--budget", "16", "--window", "4", "--max-new-tokens", "24"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    if "compiling failed" in err:
+        compile_unavailable(err)
+    assert "decode step: compiled" in err
+    assert _generate(root, "--policy", "knorm", "--no-compile") == 0
+    assert "decode step: eager" in capsys.readouterr().err
 
 
 def test_generate_default_policy_is_the_shipped_scorer(tiny, capsys):

@@ -221,6 +221,8 @@ def cmd_generate(args) -> int:
     print(res.text)
     where = f" {res.cache!r}" if res.cache is not None else ""
     print(f"[kvpop] policy={policy}{where}", file=sys.stderr)
+    if res.compile_status is not None:
+        print(f"[kvpop] decode step: {res.compile_status}", file=sys.stderr)
     pre = f" ({res.prefill_tokens_per_s:,.0f} tok/s)" if res.prefill_tokens_per_s else ""
     dec = f" ({res.decode_tokens_per_s:.1f} tok/s)" if res.decode_tokens_per_s else ""
     print(
@@ -307,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--base-model", action="store_true",
                     help="with the default policy on the embedded model: use the base model and its scorer, not the "
                          "shipped adapted bundle")  # fmt: skip
-    pg.add_argument("--compile", action="store_true",
-                    help="compile the cache's steady decode step (a few seconds once, faster steps after)")
+    pg.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                    help="compile the cache's steady decode step (default: on where a compiler works, a few seconds "
+                         "once, faster steps after; --no-compile: eager)")
 
     pb = sub.add_parser("bench", help="benchmarks (write JSON); `kvpop bench NAME --help` for a benchmark's options")
     pb.add_argument("what", choices=BENCHMARKS)

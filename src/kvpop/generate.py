@@ -35,6 +35,7 @@ class GenerationResult:
     prompt_tokens: int = 0  # per row, padding included
     prefill_s: float | None = None  # prompt forward + first token (None when not measured, e.g. beams)
     decode_s: float | None = None  # the remaining new_tokens - 1 steps
+    compile_status: str | None = None  # the cache's decode step: "compiled", "eager", ... (None: dense)
 
     @property
     def text(self) -> str:
@@ -83,7 +84,7 @@ def generate(
     max_new_tokens: int = 128,
     chat: bool = False,
     allow_position_overflow: bool = False,
-    compile: bool = False,
+    compile: bool | None = None,
     policy_kwargs: dict | None = None,
     **kwargs,
 ) -> GenerationResult:
@@ -95,8 +96,9 @@ def generate(
     ``compression=r`` with ``reference_length=L`` (the keywords of :class:`kvpop.config.BudgetArgs`);
     ``window`` and the recency tilt ``lam`` default to what a learned scorer was trained with (else
     ``B / 2`` and 0). Any other keyword goes to ``model.generate``. ``chat=True``
-    wraps each prompt in the tokenizer's chat template. ``compile=True`` compiles the cache's
-    steady decode step (``KVpopCache(compile=True)``): a few seconds once, faster steps after.
+    wraps each prompt in the tokenizer's chat template. ``compile`` (default: on, unless
+    ``KVPOP_COMPILE=0``) compiles the cache's steady decode step (``KVpopCache(compile=...)``): a few
+    seconds once, faster steps after; ``result.compile_status`` says which ran.
     """
     budget = BudgetArgs.pop_from(kwargs)
     generate_kwargs = kwargs
@@ -158,4 +160,5 @@ def generate(
     dense = dense_kv_bytes(model.config, out.shape[0], seen, dtype)
     held = cache.kv_bytes() if cache is not None else dense
     prefill_s, decode_s = timer.phases() if timer is not None else (None, None)
-    return GenerationResult(texts, out, new.shape[1], cache, held, dense, n_prompt, prefill_s, decode_s)
+    status = None if cache is None else cache.compile_status
+    return GenerationResult(texts, out, new.shape[1], cache, held, dense, n_prompt, prefill_s, decode_s, status)
