@@ -163,7 +163,7 @@ class KVpopLayer(CacheLayerMixin):
                valid: torch.Tensor | None, scaling: float) -> torch.Tensor:  # fmt: skip
         """Insert the chunk under the rule and attend; returns ``[b, q_len, q_heads, d]``."""
         self.pending = False
-        b, _, c, _ = query.shape
+        c = query.shape[2]
         if valid is not None and (self.layer_idx == 0 or c > 1):  # every layer of a step gets the same mask: check it once
             _check_padding(valid, self.state.n_real)
         spec = self._spec if self._spec is not None and self._spec.scaling == scaling else self._make_spec(scaling)
@@ -175,11 +175,10 @@ class KVpopLayer(CacheLayerMixin):
                 out = self._warm(spec, query, key_new, value_new)
             self.seen += 1
             return out
-        if valid is None:
-            valid = torch.ones(b, c, dtype=torch.bool, device=query.device)
         step = self.cfg.chunk
         outs = [prefill_chunk(spec, self.kernels, self.layer_idx, self.state, query[:, :, i : i + step],
-                              key_new[:, :, i : i + step], value_new[:, :, i : i + step], valid[:, i : i + step])
+                              key_new[:, :, i : i + step], value_new[:, :, i : i + step],
+                              None if valid is None else valid[:, i : i + step])
                 for i in range(0, c, step)]  # fmt: skip
         self.seen += c
         return torch.cat(outs, dim=2).transpose(1, 2)

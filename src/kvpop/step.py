@@ -201,9 +201,10 @@ class _Chunk:
     ex_idx: Tensor  # [b, c] the token leaving the window as new token j arrives, -1 if none
     ex_ring: Tensor  # [b, c] the ring offset of that token
     key_idx: Tensor  # [b, h, B + c] logical index of every key the chunk sees: the slots, then the chunk
+    padded: bool  # some new token is padding
 
 
-def _chunk(spec: StepSpec, st: LayerState, valid: Tensor, h: int) -> _Chunk:
+def _chunk(spec: StepSpec, st: LayerState, valid: Tensor, h: int, padded: bool) -> _Chunk:
     s, w, n = spec.sinks, spec.window, spec.budget
     b, c = valid.shape
     new_idx = torch.where(valid, st.n_real.unsqueeze(1) + valid.long().cumsum(1) - 1, -1)
@@ -213,7 +214,7 @@ def _chunk(spec: StepSpec, st: LayerState, valid: Tensor, h: int) -> _Chunk:
     ex_idx = torch.where(valid & (new_idx >= s + w), new_idx - w, -1)
     ex_ring = torch.where(ex_idx >= 0, (ex_idx - s) % w, 0)
     key_idx = torch.cat([st.held, new_idx.unsqueeze(1).expand(b, h, c)], dim=2)
-    return _Chunk(valid, new_idx, new_slot, ex_idx, ex_ring, key_idx)
+    return _Chunk(valid, new_idx, new_slot, ex_idx, ex_ring, key_idx, padded)
 
 
 def _chunk_observed(spec: StepSpec, st: LayerState, ch: _Chunk, logits: Tensor):
@@ -225,10 +226,15 @@ def _chunk_observed(spec: StepSpec, st: LayerState, ch: _Chunk, logits: Tensor):
     kidx = ch.key_idx.view(b, h, 1, 1, nk)
     tq = ch.new_idx.view(b, 1, 1, c, 1)
     local = (kidx >= 0) & (kidx <= tq) & ((kidx < s) | (kidx > tq - w))
-    p_local = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1).nan_to_num(0.0)
-    p_mean = p_local.mean(dim=2)  # [b, h, c, B + c], over the query heads of a group
-    contrib = observed_sums(p_mean, ch.key_idx, st.n_real, ch.valid, w, spec.obs_windows)  # [b, h, B + c, nobs]
-    return st.observed + contrib[:, :, s : s + w], contrib[:, :, n:]
+    p_mean = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1).mean(dim=2)  # [b, h, c, B + c]
+    # only the ring's and the chunk's keys gather statistics (sinks never leave; long-range keys are
+    # never local): every later step works per key, so it runs on those columns alone
+    p_mean = torch.cat([p_mean[..., s : s + w], p_mean[..., n:]], dim=-1)  # [b, h, c, w + c]
+    if ch.padded:  # a padding query sees no local key: its row is NaN
+        p_mean = p_mean.nan_to_num(0.0)
+    key_idx = torch.cat([ch.key_idx[..., s : s + w], ch.key_idx[..., n:]], dim=-1)
+    contrib = observed_sums(p_mean, key_idx, st.n_real, ch.valid, w, spec.obs_windows)  # [b, h, w + c, nobs]
+    return st.observed + contrib[:, :, :w], contrib[:, :, w:]
 
 
 def _chunk_scores(spec: StepSpec, kernels, layer_idx: int, st: LayerState, ch: _Chunk, k_new: Tensor,
@@ -269,6 +275,8 @@ def _chunk_visible(spec: StepSpec, ch: _Chunk, lr_leave: Tensor, ex_leave: Tenso
     kidx = ch.key_idx.unsqueeze(2)  # [b, h, 1, n + c]
     tq = ch.new_idx.view(b, 1, c, 1)
     visible = (kidx >= 0) & (kidx <= tq) & (tq < leave.unsqueeze(2))
+    if not ch.padded:
+        return visible
     pad_q = ~ch.valid.view(b, 1, c, 1)
     self_key = torch.arange(n, n + c, device=dev).view(1, 1, c, 1) == torch.arange(n + c, device=dev).view(1, 1, 1, -1)
     return torch.where(pad_q, self_key, visible)
@@ -280,8 +288,8 @@ def _chunk_attend(q: Tensor, all_k: Tensor, all_v: Tensor, visible: Tensor, logi
     b, hq, c, d = q.shape
     h, nk = all_k.shape[1], all_k.shape[2]
     g = hq // h
-    if logits is not None:  # computed for the statistics already: reuse them
-        probs = torch.softmax(logits.masked_fill(~visible.unsqueeze(2), -math.inf), dim=-1)
+    if logits is not None:  # computed for the statistics already (and no longer needed): reuse them in place
+        probs = torch.softmax(logits.masked_fill_(~visible.unsqueeze(2), -math.inf), dim=-1)
         out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(all_v.dtype), all_v)
         return out.reshape(b, h * g, c, -1)
     mask = visible.unsqueeze(2).expand(b, h, g, c, nk).reshape(b, h, g * c, nk)
@@ -325,15 +333,19 @@ def _chunk_commit(spec: StepSpec, st: LayerState, ch: _Chunk, k_new: Tensor, v_n
 
 
 def prefill_chunk(spec: StepSpec, kernels, layer_idx: int, st: LayerState, q: Tensor, k_new: Tensor,
-                  v_new: Tensor, valid: Tensor) -> Tensor:
+                  v_new: Tensor, valid: Tensor | None) -> Tensor:
     """Insert ``c <= window`` new tokens per row under the rule and attend; returns ``[b, hq, c, d]``.
 
-    ``q [b, hq, c, d]``, ``k_new``/``v_new [b, h, c, d]``, ``valid [b, c]`` (False: left padding).
+    ``q [b, hq, c, d]``, ``k_new``/``v_new [b, h, c, d]``, ``valid [b, c]`` (False: left padding;
+    None: every token is real).
     Every query sees exactly the keys the token-by-token rule would hold at its step: the chunk's
     exits are decided at once (:func:`kvpop.rule.decide_chunk`) and each key's leave step masks it.
     """
     h = k_new.shape[1]
-    ch = _chunk(spec, st, valid, h)
+    padded = valid is not None
+    if valid is None:
+        valid = torch.ones(k_new.shape[0], k_new.shape[2], dtype=torch.bool, device=k_new.device)
+    ch = _chunk(spec, st, valid, h, padded)
     all_k = torch.cat([st.keys, k_new], dim=2)  # [b, h, B + c, d]
     all_v = torch.cat([st.values, v_new], dim=2)
     logits, obs = None, None
