@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..adapters import load_adapter_bundle, read_bundle_meta
+from ..adapters import base_model, load_adapter_bundle, read_bundle_meta
 from ..cache import make_cache
 from ..checkpoint import load_scorer
 from ..config import TrainedSettings, resolve_eviction
@@ -30,7 +30,6 @@ from ..policies import LearnedPolicy
 from ..train.data import SequenceSource
 from ..train.quality import VALIDATION_SEED
 from .config import AdaptConfig
-from .loop import base_model
 
 __all__ = ["AdaptProbe", "Comparison", "compare_adapted"]
 
