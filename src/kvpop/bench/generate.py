@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..plotting import pyplot, save_figure
 from .common import cache_for_spec, kv_bytes, median, parse_policy, peak_rss_bytes, rss_bytes, text_ids, write_json
 
 DEFAULT_POLICIES = "dense,floor@512,streaming@512,kvpop@512,kvpop@512+compile,kvpop-mlp@512+compile"
@@ -82,11 +83,7 @@ def run_one(spec: str, lengths: list[int], decode_steps: int, mode: str, model_p
 
 
 def plot(results: dict, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for r in results["runs"]:
         xs = [row["length"] for row in r["rows"]]
@@ -106,7 +103,7 @@ def plot(results: dict, out: Path) -> Path:
     axes[0].legend()
     fig.suptitle(f"kvpop bench generate ({results['model']}, mode={results['mode']})")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out, dpi=110)
     return out
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from ..plotting import pyplot, save_figure
 from .common import write_json
 
 SMOLLM2_135M = {  # the embedded model's architecture (its config.json, without the weights)
@@ -376,11 +377,7 @@ def _format_decode(res: dict) -> str:
 
 def plot(result: dict, out: Path) -> Path:
     """Decode step against the context (one panel per batch run) and the target pass's times."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     dec = result.get("decode") or []
     tg = [r for r in result.get("targets") or [] if r.get("time_s") and "reference" not in r["method"]]
     panels = [p for p, has in (("decode", dec), ("targets", tg)) if has]
@@ -412,8 +409,7 @@ def plot(result: dict, out: Path) -> Path:
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = out.with_suffix(".png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return path
 
 

@@ -24,15 +24,12 @@ from pathlib import Path
 
 import torch
 
+from ..plotting import pyplot, save_figure
 from .common import median, text_ids, write_json
 
 
 def _plot(result: dict, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [r for r in result["rows"] if r["name"] not in ("floor", "dense")]
     fig, ax = plt.subplots(figsize=(9, 4.2))
     names = [r["name"] for r in rows]
@@ -49,8 +46,7 @@ def _plot(result: dict, out: Path) -> Path:
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     path = out.with_suffix(".png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return path
 
 

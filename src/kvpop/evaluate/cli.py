@@ -12,7 +12,7 @@ import sys
 import time
 
 from .core import ALL_POLICIES, PolicyUnavailable
-from .harness import EvalConfig, merge, quick_config, run_eval, table, unit_filter, user_documents
+from .harness import EvalConfig, merge, parse_shard, quick_config, run_eval, table, unit_filter, user_documents
 from .store import StoreMismatch
 from .tasks import DEFAULT_TASKS, TASKS, TEXT_TASKS
 
@@ -150,9 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         cfg.budgets()  # validate before loading anything
         if args.shard:
-            from .harness import _parse_shard
-
-            _parse_shard(args.shard)
+            parse_shard(args.shard)
     except (TypeError, ValueError, OSError) as exc:
         return _err(str(exc))
     from ..cli import load_model_quietly

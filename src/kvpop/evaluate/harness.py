@@ -323,7 +323,7 @@ def fingerprint(model, cfg: EvalConfig) -> dict:
     }
 
 
-def _parse_shard(shard) -> tuple[int, int] | None:
+def parse_shard(shard) -> tuple[int, int] | None:
     if shard is None:
         return None
     if isinstance(shard, str):
@@ -368,7 +368,7 @@ def run_eval(
     for t in cfg.tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; tasks: {', '.join(TASKS)}")
-    shard = _parse_shard(shard)
+    shard = parse_shard(shard)
     budgets = [b.budget for b in cfg.budgets()]
     t_start = time.perf_counter()
     started = _dt.datetime.now().isoformat(timespec="seconds")

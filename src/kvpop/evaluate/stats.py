@@ -10,12 +10,12 @@ is the same), correct where streaming is wrong / the reverse.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import numpy as np
 
-from .core import DENSE, Sums
+from ..policies import DENSE
+from ..quality import Sums, compare, tally
 
 REFERENCE = "streaming"
 TASK_ORDER = ("lm", "continuation", "needle", "multikey", "agreement")
@@ -78,23 +78,6 @@ def bootstrap_mean(values: list[float], n_boot: int = 2000, seed: int = 0) -> li
     return _interval(_resample_counts(len(v), n_boot, seed) @ v / len(v))
 
 
-# ------------------------------------------------------------------------------ wins
-
-
-def compare(a: float | None, b: float | None, tol: float = 1e-9) -> int | None:
-    """+1 if ``a`` is better (higher) than ``b``, -1 if worse, 0 if equal within ``tol`` (relative)."""
-    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
-        return None
-    if abs(a - b) <= tol * max(1.0, abs(a), abs(b)):
-        return 0
-    return 1 if a > b else -1
-
-
-def count(outcomes: list[int | None]) -> dict:
-    o = [x for x in outcomes if x is not None]
-    return {"wins": o.count(1), "losses": o.count(-1), "ties": o.count(0), "n": len(o)}
-
-
 # ------------------------------------------------------------------------------ aggregation
 
 
@@ -117,9 +100,7 @@ def _doc_rows(units: list[dict], n_boot: int) -> list[dict]:
                    "wall_s": sum(u.get("wall_s") or 0.0 for u in recs)}  # fmt: skip
             for label, key in (("metrics", all_key), ("longdep", ld_key)):
                 per = [sums_from_dict(u["sums"].get(key)) for u in recs]
-                pooled = Sums()
-                for s in per:
-                    pooled = pooled.add(s)
+                pooled = Sums.pool(per)
                 m = pooled.metrics()
                 block = {**m, "ci": bootstrap_pooled(per, n_boot)}
                 if label == "metrics":
@@ -141,7 +122,7 @@ def _doc_rows(units: list[dict], n_boot: int) -> list[dict]:
                             out.append(None)
                             continue
                         out.append(compare(-a.nll_policy / a.n, -b.nll_policy / b.n))
-                    vs[label] = count(out)
+                    vs[label] = tally(out)
                 row["vs_streaming"] = vs
             per_corpus = {}
             for corpus in row["corpora"]:
@@ -185,7 +166,7 @@ def _choice_rows(task: str, units: list[dict], n_boot: int) -> list[dict]:
         if policy not in (REFERENCE, DENSE):
             ref = {u["item_id"]: u for u in groups.get((domain, REFERENCE, budget), [])}
             if ref:
-                row["vs_streaming"] = {"all": count([compare(float(u["correct"]), float(ref[u["item_id"]]["correct"]))
+                row["vs_streaming"] = {"all": tally([compare(float(u["correct"]), float(ref[u["item_id"]]["correct"]))
                                                      if u["item_id"] in ref else None for u in recs])}  # fmt: skip
         rows.append(row)
     return rows
@@ -209,7 +190,7 @@ def _agreement_rows(units: list[dict], n_boot: int) -> list[dict]:
         if policy not in (REFERENCE, DENSE):
             ref = {u["item_id"]: u for u in groups.get((domain, REFERENCE, budget), [])}
             if ref:
-                row["vs_streaming"] = {"all": count([compare(u["match_rate"], ref[u["item_id"]]["match_rate"])
+                row["vs_streaming"] = {"all": tally([compare(u["match_rate"], ref[u["item_id"]]["match_rate"])
                                                      if u["item_id"] in ref else None for u in recs])}  # fmt: skip
         rows.append(row)
     return rows

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from ..capture import collect
-from ..checkpoint import atomic_write, fingerprint_diff, model_fingerprint
+from ..checkpoint import fingerprint_diff, model_fingerprint
+from ..files import atomic_write
 from .config import TrainConfig
 
 STORE_FORMAT = "kvpop-capture-store-v1"
