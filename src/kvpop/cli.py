@@ -8,45 +8,41 @@ import sys
 import time
 from pathlib import Path
 
-from .policies import DEFAULT_POLICY, KIND_TO_POLICY, policy_names
+import torch
+
+from .adapt.cli import main as adapt_main
+from .adapt.report import main as report_main
+from .adapters import read_bundle_meta
+from .attention import detach
+from .bench import generate as bench_generate
+from .bench import gpu as bench_gpu
+from .bench import overhead as bench_overhead
+from .bench import prefill as bench_prefill
+from .bench import targets as bench_targets
+from .cache import make_cache
+from .checkpoint import ScorerMismatchError, default_adapter_path
+from .config import EvictionConfig, budget_of_compression
+from .data import load_documents
+from .evaluate.cli import main as eval_main
+from .generate import generate
+from .models import model_summary
+from .options import load_model_quietly, policy_for_scorer
+from .policies import DEFAULT_POLICY, policy_names
+from .train.cli import main as train_main
+from .train.diagnose import main as diagnose_main
 from .validate import check_cache_args
 
 EVICTION_POLICIES = policy_names(teacher_forced=False)  # dense + every policy that can generate
-BENCHMARKS = ("targets", "generate", "overhead", "prefill", "gpu")
+BENCHMARKS = {"targets": bench_targets.main, "generate": bench_generate.main, "overhead": bench_overhead.main,
+              "prefill": bench_prefill.main, "gpu": bench_gpu.main}  # fmt: skip
+SUBCOMMANDS = {"train": train_main, "eval": eval_main, "diagnose": diagnose_main, "adapt": adapt_main,
+               "compare-adapted": report_main}  # fmt: skip
 DEMO_QUESTION = "In one sentence, what is the main advice of the essay above?"
-
-
-def load_model_quietly(name_or_path=None, adapter=None, merge: bool = False):
-    """``kvpop.load_model`` for the command line: kvpop's one-time conversion messages, but not
-    transformers' per-load "Loading weights" bar (noise on every run)."""
-    from transformers.utils import logging as hf_logging
-
-    from .models import load_model
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        return load_model(name_or_path, progress=True, adapter=adapter, merge=merge)
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def policy_for_scorer(path: str, policy: str | None = None) -> str:
-    """The learned policy a scorer checkpoint belongs to (its kind, read from the file's header)."""
-    from .checkpoint import scorer_kind
-
-    name = KIND_TO_POLICY[scorer_kind(path)]
-    if policy is not None and policy != name:
-        raise ValueError(f"--scorer {path} is a {scorer_kind(path)} scorer (policy {name}); it cannot serve --policy {policy}")
-    return name
 
 
 def demo_prompt(target_chars: int = 24_000) -> str:
     """A built-in long prompt: the Paul Graham essay of the corpus's test split closest to
     ``target_chars`` characters (~6k tokens), then a question about it."""
-    from .data import load_documents
-
     docs = load_documents("paul_graham", "test")
     if not docs:
         raise ValueError("the paul_graham corpus has no test essay")
@@ -89,14 +85,6 @@ def _cache_kwargs(args) -> dict:
 
 
 def cmd_info(args) -> int:
-    import torch
-
-    from .attention import detach
-    from .cache import make_cache
-    from .checkpoint import ScorerMismatchError
-    from .config import EvictionConfig
-    from .models import model_summary
-
     _check_args(args)
     model, _ = load_model_quietly(args.model)
     summary = model_summary(model.config, dtype=torch.float32)
@@ -153,8 +141,6 @@ def _check_args(args) -> None:
         if kw.get("budget") is not None and kw.get("window") is not None and kw["budget"] < kw["sinks"] + kw["window"]:
             raise ValueError(f"budget={kw['budget']} is smaller than sinks + window = {kw['sinks']} + {kw['window']}")
         if kw.get("compression") is not None:
-            from .config import budget_of_compression
-
             budget_of_compression(kw["compression"], kw["reference_length"])
     except (TypeError, ValueError) as exc:  # "reference_length must be ..." -> "--reference-length must be ..."
         name, _, rest = str(exc).partition(" ")
@@ -166,8 +152,6 @@ def _check_args(args) -> None:
 def _generate_adapter(args, policy: str):
     """The adapter bundle `kvpop generate` loads: --adapter, else the shipped one for the embedded
     model under the default learned policy (its own scorer), unless --base-model."""
-    from .checkpoint import default_adapter_path
-
     if args.adapter is not None:
         if args.base_model:
             raise ValueError("--adapter and --base-model exclude each other")
@@ -183,17 +167,12 @@ def _generate_adapter(args, policy: str):
 
 def _bundle_policy(adapter, default: str) -> str:
     """The learned policy an adapter bundle's scorer serves (``default`` for a bundle without one)."""
-    from .adapters import read_bundle_meta
-    from .checkpoint import default_adapter_path
-
     folder = default_adapter_path() if str(adapter) == "default" else Path(adapter)
     scorer = read_bundle_meta(folder).get("scorer")
     return policy_for_scorer(str(folder / scorer)) if scorer else default
 
 
 def cmd_generate(args) -> int:
-    from .generate import generate
-
     if args.scorer is not None:
         policy = policy_for_scorer(args.scorer, args.policy)
         policy_kwargs = {"path": args.scorer}
@@ -239,42 +218,6 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_bench(what: str, rest: list[str]) -> int:
-    import importlib
-
-    return importlib.import_module(f"kvpop.bench.{what}").main(rest) or 0
-
-
-def cmd_train(rest: list[str]) -> int:
-    from .train import main as train_main
-
-    return train_main(rest)
-
-
-def cmd_adapt(rest: list[str]) -> int:
-    from .adapt import main as adapt_main
-
-    return adapt_main(rest)
-
-
-def cmd_diagnose(rest: list[str]) -> int:
-    from .train.diagnose import main as diagnose_main
-
-    return diagnose_main(rest)
-
-
-def cmd_compare_adapted(rest: list[str]) -> int:
-    from .adapt.report import main as report_main
-
-    return report_main(rest)
-
-
-def cmd_eval(rest: list[str]) -> int:
-    from .evaluate.cli import main as eval_main
-
-    return eval_main(rest)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpop", description="Fixed-size KV cache by learned eviction (KVpop).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -311,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compile the cache's steady decode step (a few seconds once, faster steps after)")
 
     pb = sub.add_parser("bench", help="benchmarks (write JSON); `kvpop bench NAME --help` for a benchmark's options")
-    pb.add_argument("what", choices=BENCHMARKS)
+    pb.add_argument("what", choices=list(BENCHMARKS))
     sub.add_parser("train", help="train a KVpop scorer (see `kvpop train --help`)", add_help=False)
     sub.add_parser("adapt", help="adapt the LLM to the bounded cache with LoRA (see `kvpop adapt --help`)",
                    add_help=False)  # fmt: skip
@@ -327,12 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train", "eval", "diagnose", "adapt", "compare-adapted"):
-        run = {"train": cmd_train, "eval": cmd_eval, "diagnose": cmd_diagnose, "adapt": cmd_adapt,
-               "compare-adapted": cmd_compare_adapted}[argv[0]]
-        return run(argv[1:])
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:  # the benchmark parses (and --help) its own options
-        return cmd_bench(argv[1], argv[2:])
+    if argv and argv[0] in SUBCOMMANDS:  # the subcommand parses (and --help) its own options
+        return SUBCOMMANDS[argv[0]](argv[1:])
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
+        return BENCHMARKS[argv[1]](argv[2:]) or 0
     args = parser.parse_args(argv)
     try:
         if args.command == "info":

@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-
-import torch.distributed as dist
 
 from ..adapters import DEFAULT_LORA_TARGETS
-from ..files import json_safe
-from ..train.cli import budget_range_arg
+from ..options import budget_range_arg, ints, run_training_command
 from ..train.config import TRAIN_CORPORA
 from .config import KL_POSITIONS, KL_TAILS, MASKS, AdaptConfig
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
+from .loop import adapt, strip_per_doc
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -42,12 +33,12 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.set_defaults(joint=d.joint)
     p.add_argument("--corpora", default=",".join(TRAIN_CORPORA), help="comma-separated training corpora")
     p.add_argument("--docs-from", default=None, help="adapt on your own texts: a folder of .txt or a .jsonl")
-    p.add_argument("--budgets", type=_ints, default=d.budgets, help="comma-separated budgets B; one is drawn per step")
+    p.add_argument("--budgets", type=ints, default=d.budgets, help="comma-separated budgets B; one is drawn per step")
     p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
     p.add_argument("--budget-range", type=budget_range_arg, default=None, metavar="LO,HI",
                    help="draw B log-uniformly from [LO, HI] at every step instead of --budgets (window: the scorer's "
                         "trained fraction of B)")  # fmt: skip
-    p.add_argument("--val-budgets", type=_ints, default=(),
+    p.add_argument("--val-budgets", type=ints, default=(),
                    help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)")
     p.add_argument("--window", type=int, default=None,
                    help="protected window (default: the scorer's trained fraction of B, else B / 2; streaming: B - sinks)")  # fmt: skip
@@ -87,32 +78,12 @@ def config_from_args(args) -> AdaptConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = config_from_args(args)
-        cfg.validate()  # bad input fails before the model loads
-    except (TypeError, ValueError, FileNotFoundError) as exc:
-        print(f"kvpop adapt: error: {exc}", file=sys.stderr)
-        return 2
-    from .loop import adapt
-
-    try:
-        summary = adapt(cfg)
-    except (ValueError, OSError) as exc:  # OSError: an unwritable --out, a full disk (the last checkpoint kept)
-        print(f"kvpop adapt: error: {exc}", file=sys.stderr)
-        return 2
-    if int(os.environ.get("RANK", "0")) == 0:
-        last_val = next((h["val"] for h in reversed(summary["history"]) if "val" in h), None)
-        print(json.dumps(json_safe({"best": summary["best"], "tokens_seen": summary["tokens_seen"],
-                                    "seconds": summary["seconds_this_process"], "peak_rss_mib": summary["peak_rss_mib"],
-                                    "baseline": _short(summary.get("baseline")), "last_validation": _short(last_val)}),
-                         indent=1))  # fmt: skip
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+    return run_training_command("kvpop adapt", argv, build_parser(), config_from_args, adapt, _report,
+                                config_errors=(TypeError, ValueError, FileNotFoundError))  # fmt: skip
 
 
-def _short(q):
-    if isinstance(q, dict):
-        return {k: _short(v) for k, v in q.items() if k != "per_doc"}
-    return q
+def _report(summary: dict) -> dict:
+    last_val = next((h["val"] for h in reversed(summary["history"]) if "val" in h), None)
+    return {"best": summary["best"], "tokens_seen": summary["tokens_seen"], "seconds": summary["seconds_this_process"],
+            "peak_rss_mib": summary["peak_rss_mib"], "baseline": strip_per_doc(summary.get("baseline")),
+            "last_validation": strip_per_doc(last_val)}  # fmt: skip

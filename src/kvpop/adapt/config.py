@@ -8,8 +8,12 @@ import random
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import torch
+
 from ..adapters import DEFAULT_LORA_TARGETS
+from ..checkpoint import read_header
 from ..config import EvictionConfig, TrainedSettings, default_window, resolve_eviction
+from ..data import CORPORA
 from ..train.config import TRAIN_CORPORA
 
 MASKS = ("kvpop", "streaming")
@@ -95,8 +99,6 @@ class AdaptConfig:
         if self.scorer is None:
             return {}
         if self._scorer_header is None:
-            from ..checkpoint import read_header
-
             self._scorer_header = read_header(self.scorer)
         return self._scorer_header
 
@@ -240,16 +242,12 @@ class AdaptConfig:
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"stop_after must be >= 1, got {self.stop_after}")
         if not self.docs_from:
-            from ..data import CORPORA
-
             for c in self.corpora:
                 if c not in CORPORA:
                     raise ValueError(f"unknown corpus {c!r}; known: {', '.join(CORPORA)}")
         elif not Path(self.docs_from).exists():
             raise ValueError(f"docs_from {self.docs_from} does not exist")
         if self.device != "cpu":
-            import torch
-
             if self.gradient_checkpointing:
                 # the recomputation runs in autograd's device thread, outside the mask's context
                 raise ValueError("gradient_checkpointing is for CPU runs (on a GPU, memory is not the limit)")

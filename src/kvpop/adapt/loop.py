@@ -41,7 +41,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import models
 from ..adapters import SCORER_FILE, add_lora, base_model, lora_config, save_adapter_bundle
@@ -205,14 +204,15 @@ def scorer_step(scorer, ex: Example, ev, cfg: AdaptConfig) -> float:
 
 
 def _average_grads(params: list[torch.nn.Parameter], world: int) -> None:
+    """Average the gradients over ranks in one all-reduce (a parameter without a gradient counts as 0)."""
     if world <= 1 or not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = _flatten_dense_tensors(grads)
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
     flat /= world
-    for p, g in zip(params, _unflatten_dense_tensors(flat, grads), strict=True):
-        p.grad = g.clone()
+    for p, g in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+        p.grad = g.view_as(p).clone()
 
 
 def _broadcast(params: list[torch.Tensor]) -> None:

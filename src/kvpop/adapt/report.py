@@ -20,13 +20,17 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
+from .. import models
 from ..config import budget_of_compression
-from ..evaluate.harness import parse_shard
+from ..evaluate import harness
 from ..evaluate.stats import bootstrap_pooled, sums_from_dict, sums_to_dict
 from ..evaluate.store import RecordStore, StoreMismatch
 from ..files import atomic_write
 from ..plotting import pyplot, save_figure
 from ..quality import Sums, doc_key, wins
+from .quality import Comparison
 
 ROW_ORDER = ("adapted kvpop", "base kvpop", "adapted streaming", "base streaming", "adapted dense", "streaming+ dense")
 LABELS = {
@@ -93,7 +97,7 @@ def _check(args) -> tuple[list[int], tuple[int, int] | None]:
         if not 0.0 < c < 1.0:
             raise ValueError(f"--compression values must be in (0, 1), got {c}")
         budgets.append(budget_of_compression(c, args.doc_tokens))
-    return budgets, parse_shard(args.shard)
+    return budgets, harness.parse_shard(args.shard)
 
 
 # ------------------------------------------------------------------------------ aggregation
@@ -241,18 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvpop compare-adapted: error: {exc}", file=sys.stderr)
         return 2
-    from tqdm.auto import tqdm
-
-    from ..evaluate.harness import EvalConfig, corpus_documents
-    from ..models import load_model
-    from .quality import Comparison
-
-    model, tokenizer = load_model(args.model, progress=not args.no_progress)
+    model, tokenizer = models.load_model(args.model, progress=not args.no_progress)
     cmp = Comparison(model, args.bundle, budgets, streaming_bundle=args.streaming_bundle,
                      base_scorer=args.base_scorer, merge=args.merge)  # fmt: skip
     notes: list[str] = []
-    ecfg = EvalConfig(docs=args.docs, doc_tokens=args.doc_tokens, corpora=tuple(args.corpora) if args.corpora else None)
-    items = [(domain, corpus, j, ids) for domain, corpus, docs in corpus_documents(tokenizer, ecfg, notes)
+    ecfg = harness.EvalConfig(docs=args.docs, doc_tokens=args.doc_tokens, corpora=tuple(args.corpora) if args.corpora else None)
+    items = [(domain, corpus, j, ids) for domain, corpus, docs in harness.corpus_documents(tokenizer, ecfg, notes)
              for j, ids in enumerate(docs)]  # fmt: skip
     shas = {r: ("base" if src is None else _sha(src)) for r, (_, _, src) in cmp.rows.items()}
     settings = {

@@ -5,13 +5,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import git_docs, human_eval, paul_graham, perl_docs, python_code, python_docs, shakespeare, wikipedia
 from .base import Corpus, CorpusNotFoundError, Document
+from .git_docs import CORPUS as GIT_DOCS
+from .human_eval import CORPUS as HUMAN_EVAL
+from .paul_graham import CORPUS as PAUL_GRAHAM
+from .perl_docs import CORPUS as PERL_DOCS
+from .python_code import CORPUS as PYTHON_CODE
+from .python_docs import CORPUS as PYTHON_DOCS
+from .shakespeare import CORPUS as SHAKESPEARE
 from .splits import SPLITS, check_split, split_documents
+from .wikipedia import CORPUS as WIKIPEDIA
 
 CORPORA: dict[str, Corpus] = {
-    m.CORPUS.name: m.CORPUS
-    for m in (shakespeare, paul_graham, wikipedia, python_docs, python_code, human_eval, perl_docs, git_docs)
+    c.name: c for c in (SHAKESPEARE, PAUL_GRAHAM, WIKIPEDIA, PYTHON_DOCS, PYTHON_CODE, HUMAN_EVAL, PERL_DOCS, GIT_DOCS)
 }
 EVALUATION_CORPORA: tuple[str, ...] = tuple(n for n, c in CORPORA.items() if c.evaluation)
 

@@ -17,13 +17,13 @@ CLI: ``kvpop eval ...`` (see :mod:`kvpop.evaluate.cli`).
 from ..quality import DenseCache, Sums, sums_from_logits
 from .core import ALL_POLICIES, DENSE, PolicyUnavailable, build_cache, policy_available, teacher_forced
 from .harness import (
-    IN_DOMAIN,
     EvalConfig,
     build_results,
     check_policies,
     merge,
     quick_config,
     run_eval,
+    shipped_training_corpora,
     table,
     write_results,
 )
@@ -53,8 +53,15 @@ __all__ = [
     "policy_available",
     "quick_config",
     "run_eval",
+    "shipped_training_corpora",
     "sums_from_logits",
     "table",
     "teacher_forced",
     "write_results",
 ]
+
+
+def __getattr__(name: str):
+    if name == "IN_DOMAIN":  # read on first use, not at import (kvpop.evaluate.harness.shipped_training_corpora)
+        return shipped_training_corpora()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from ..plotting import pyplot, save_figure
 
 PRIMARY = {"lm": "retention", "continuation": "retention", "needle": "accuracy", "multikey": "accuracy",
@@ -122,8 +124,6 @@ def _multikey_plot(recs, out, colors, order):
 
 
 def _needle_heatmap(recs, out, order):
-    import numpy as np
-
     plt = pyplot()
     budgets = sorted({r["budget"] for r in recs if r["budget"] is not None}, reverse=True)
     policies = [p for p in order if any(r["policy"] == p for r in recs)]

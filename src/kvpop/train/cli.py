@@ -3,26 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
-import torch.distributed as dist
-
-from ..files import json_safe
+from ..options import budget_range_arg, ints, run_training_command
 from .config import TRAIN_CORPORA, TrainConfig
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
-def budget_range_arg(text: str) -> tuple[int, int]:
-    """``LO,HI`` of ``--budget-range`` (kvpop train and kvpop adapt)."""
-    lo_hi = _ints(text)
-    if len(lo_hi) != 2:
-        raise argparse.ArgumentTypeError(f"expected LO,HI (two budgets), got {text!r}")
-    return lo_hi
+from .loop import train
 
 
 def _observed(text: str) -> tuple[int | None, ...]:
@@ -45,7 +29,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="comma-separated training corpora (kvpop.data; default keeps paul_graham and python_code "
                         "out, for the out-of-domain evaluation)")  # fmt: skip
     p.add_argument("--docs-from", default=None, help="train on your own texts: a folder of .txt or a .jsonl")
-    p.add_argument("--budgets", type=_ints, default=d.budgets,
+    p.add_argument("--budgets", type=ints, default=d.budgets,
                    help="comma-separated budgets B; one is drawn per step (default 512)")  # fmt: skip
     p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
     p.add_argument("--budget-range", type=budget_range_arg, default=None, metavar="LO,HI",
@@ -56,7 +40,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--windows-per-sequence", type=int, default=d.windows_per_sequence,
                    help="--budget-range: targets for only this many windows of the grid per sequence (0: all); a "
                         "smaller store, budgets still log-uniform over the sequences")
-    p.add_argument("--val-budgets", type=_ints, default=(),
+    p.add_argument("--val-budgets", type=ints, default=(),
                    help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)")
     p.add_argument("--val-seq-len", type=int, default=None, help="tokens per validation window (default --seq-len)")
     p.add_argument("--val-cache", default=None,
@@ -69,7 +53,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--no-position-free", dest="position_free", action="store_false",
                    help="feed post-RoPE keys (default: undo RoPE)")  # fmt: skip
     p.add_argument("--no-tilt", dest="tilt", action="store_false", help="no learned per-head recency tilt")
-    p.add_argument("--extra-windows", type=_ints, default=(), help="also capture targets for these windows (store)")
+    p.add_argument("--extra-windows", type=ints, default=(), help="also capture targets for these windows (store)")
     for name in ("seq_len", "batch_size", "sinks", "steps", "seed", "val_docs", "val_every", "ckpt_every", "hidden",
                  "dk", "dv", "stop_after", "cycle"):  # fmt: skip
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
@@ -93,26 +77,10 @@ def config_from_args(args) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = config_from_args(args)
-        cfg.validate()  # bad input fails before the model loads
-    except (TypeError, ValueError) as exc:
-        print(f"kvpop train: error: {exc}", file=sys.stderr)
-        return 2
-    from .loop import train
+    return run_training_command("kvpop train", argv, build_parser(), config_from_args, train, _report)
 
-    try:
-        summary = train(cfg)
-    except (ValueError, OSError) as exc:  # OSError: an unwritable --out, a full disk (the last checkpoint kept)
-        print(f"kvpop train: error: {exc}", file=sys.stderr)
-        return 2
-    if int(os.environ.get("RANK", "0")) == 0:
-        if "best" in summary:
-            print(json.dumps(json_safe({"best": summary["best"], "tokens_seen": summary["tokens_seen"],
-                                        "seconds": summary["seconds_this_process"]}), indent=1))  # fmt: skip
-        else:
-            print(json.dumps(json_safe(summary), indent=1, default=str))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+
+def _report(summary: dict) -> dict:
+    if "best" not in summary:  # --capture-only
+        return summary
+    return {"best": summary["best"], "tokens_seen": summary["tokens_seen"], "seconds": summary["seconds_this_process"]}

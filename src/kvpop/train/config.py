@@ -7,7 +7,10 @@ import random
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import torch
+
 from ..config import EvictionConfig, default_window
+from ..data import CORPORA
 
 # Held out of training so the out-of-domain columns of the evaluation stay honest: one prose
 # corpus (Paul Graham's essays) and one code corpus (the CPython standard library).
@@ -231,16 +234,11 @@ class TrainConfig:
         if self.capture_only and not self.store:
             raise ValueError("capture_only needs a store folder (--store DIR) to fill")
         if not self.docs_from:
-            from ..data import CORPORA
-
             for c in self.corpora:
                 if c not in CORPORA:
                     raise ValueError(f"unknown corpus {c!r}; known: {', '.join(CORPORA)}")
-        if self.device != "cpu":
-            import torch
-
-            if not torch.device(self.device).type == "cuda" or not torch.cuda.is_available():
-                raise ValueError(f"device {self.device!r} is not available here (use cpu, or cuda on a CUDA machine)")
+        if self.device != "cpu" and (torch.device(self.device).type != "cuda" or not torch.cuda.is_available()):
+            raise ValueError(f"device {self.device!r} is not available here (use cpu, or cuda on a CUDA machine)")
 
     @classmethod
     def field_names(cls) -> set[str]:

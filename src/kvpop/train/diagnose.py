@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .. import models
 from ..cache import make_cache
 from ..capture import collect
 from ..checkpoint import DEFAULT_SCORERS, load_scorer
@@ -180,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(budgets=(args.budget,), window_fraction=args.window_fraction, seq_len=args.seq_len,
                       model=args.model)  # fmt: skip
     cfg.validate()
-    from ..models import load_model
-
-    model, tok = load_model(args.model, progress=False)
+    model, tok = models.load_model(args.model, progress=False)
     t0 = time.perf_counter()
     res = noisy_oracle(model, tok, cfg, args.budget, args.sigmas, args.docs, scorers=scorers)
     res["wall_s"] = time.perf_counter() - t0
