@@ -22,7 +22,8 @@ from .checkpoint import scorer_kind
 from .files import json_safe
 from .policies import KIND_TO_POLICY
 
-__all__ = ["budget_range_arg", "ints", "load_model_quietly", "policy_for_scorer", "run_training_command"]
+__all__ = ["add_run_arguments", "budget_range_arg", "config_kwargs", "ints", "load_model_quietly", "policy_for_scorer",
+           "run_training_command"]
 
 
 def ints(text: str) -> tuple[int, ...]:
@@ -36,6 +37,42 @@ def budget_range_arg(text: str) -> tuple[int, int]:
     if len(lo_hi) != 2:
         raise argparse.ArgumentTypeError(f"expected LO,HI (two budgets), got {text!r}")
     return lo_hi
+
+
+def add_run_arguments(p: argparse.ArgumentParser, defaults, *, texts: str, corpora: tuple[str, ...],
+                      range_help: str, int_fields: tuple[str, ...], float_fields: tuple[str, ...]) -> None:
+    """The arguments ``kvpop train`` and ``kvpop adapt`` share: the model, the data (``texts``: what the
+    command does with them, e.g. "train on"), the budgets, validation budgets, the numeric fields of
+    ``defaults`` (a config) named in ``int_fields`` / ``float_fields``, the device and progress."""
+    p.add_argument("--model", default=None, help="local HF folder or .gguf (default: embedded SmolLM2)")
+    p.add_argument("--corpora", default=",".join(corpora),
+                   help="comma-separated training corpora (kvpop.data; default keeps paul_graham and python_code "
+                        "out, for the out-of-domain evaluation)")  # fmt: skip
+    p.add_argument("--docs-from", default=None, help=f"{texts} your own texts: a folder of .txt or a .jsonl")
+    p.add_argument("--budgets", type=ints, default=defaults.budgets,
+                   help="comma-separated budgets B; one is drawn per step (default 512)")
+    p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
+    p.add_argument("--budget-range", type=budget_range_arg, default=None, metavar="LO,HI",
+                   help="draw B log-uniformly from [LO, HI] at every step instead of --budgets " + range_help)
+    p.add_argument("--val-budgets", type=ints, default=(),
+                   help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)")
+    for name in int_fields:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    for name in float_fields:
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    p.add_argument("--weighting", choices=["uniform", "mass"], default=defaults.weighting)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (the model and scorer move there)")
+    p.add_argument("--check-sync", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def config_kwargs(args: argparse.Namespace, cls) -> dict:
+    """The fields of the config class ``cls`` (:meth:`kvpop.runs.RunSettings.field_names`) from
+    parsed arguments, with ``--corpora`` split and ``--no-progress`` turned around."""
+    kw = {k: v for k, v in vars(args).items() if k in cls.field_names()}
+    kw["corpora"] = tuple(c for c in args.corpora.split(",") if c)
+    kw["progress"] = not args.no_progress
+    return kw
 
 
 def load_model_quietly(name_or_path=None, adapter=None, merge: bool = False):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..options import budget_range_arg, ints, run_training_command
+from ..options import add_run_arguments, config_kwargs, ints, run_training_command
 from .config import TRAIN_CORPORA, TrainConfig
 from .loop import train
 
@@ -24,24 +24,17 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     d = TrainConfig()
     p.add_argument("--kind", dest="scorer", choices=["mlp", "mlstm"], default=d.scorer, help="scorer kind")
     p.add_argument("--out", required=True, help="output folder (checkpoints, summary.json); an existing run resumes")
-    p.add_argument("--model", default=None, help="local HF folder or .gguf (default: embedded SmolLM2)")
-    p.add_argument("--corpora", default=",".join(TRAIN_CORPORA),
-                   help="comma-separated training corpora (kvpop.data; default keeps paul_graham and python_code "
-                        "out, for the out-of-domain evaluation)")  # fmt: skip
-    p.add_argument("--docs-from", default=None, help="train on your own texts: a folder of .txt or a .jsonl")
-    p.add_argument("--budgets", type=ints, default=d.budgets,
-                   help="comma-separated budgets B; one is drawn per step (default 512)")  # fmt: skip
-    p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
-    p.add_argument("--budget-range", type=budget_range_arg, default=None, metavar="LO,HI",
-                   help="draw B log-uniformly from [LO, HI] at every step instead of --budgets (one scorer for every "
-                        "budget in between; the window is the captured one nearest --window-fraction of B)")  # fmt: skip
+    add_run_arguments(p, d, texts="train on", corpora=TRAIN_CORPORA,
+                      range_help="(one scorer for every budget in between; the window is the captured one nearest "
+                                 "--window-fraction of B)",
+                      int_fields=("seq_len", "batch_size", "sinks", "steps", "seed", "val_docs", "val_every",
+                                  "ckpt_every", "hidden", "dk", "dv", "stop_after", "cycle"),
+                      float_fields=("lam", "tau", "lr", "weight_decay"))  # fmt: skip
     p.add_argument("--windows-per-octave", type=int, default=d.windows_per_octave,
                    help="--budget-range: target windows captured per doubling of the window (default 2)")
     p.add_argument("--windows-per-sequence", type=int, default=d.windows_per_sequence,
                    help="--budget-range: targets for only this many windows of the grid per sequence (0: all); a "
                         "smaller store, budgets still log-uniform over the sequences")
-    p.add_argument("--val-budgets", type=ints, default=(),
-                   help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)")
     p.add_argument("--val-seq-len", type=int, default=None, help="tokens per validation window (default --seq-len)")
     p.add_argument("--val-cache", default=None,
                    help="folder that keeps the validation baseline (dense, StreamingLLM) for later runs of a sweep")
@@ -54,26 +47,14 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="feed post-RoPE keys (default: undo RoPE)")  # fmt: skip
     p.add_argument("--no-tilt", dest="tilt", action="store_false", help="no learned per-head recency tilt")
     p.add_argument("--extra-windows", type=ints, default=(), help="also capture targets for these windows (store)")
-    for name in ("seq_len", "batch_size", "sinks", "steps", "seed", "val_docs", "val_every", "ckpt_every", "hidden",
-                 "dk", "dv", "stop_after", "cycle"):  # fmt: skip
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("lam", "tau", "lr", "weight_decay"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     p.add_argument("--loss", choices=["boundary", "mse"], default=d.loss)
-    p.add_argument("--weighting", choices=["uniform", "mass"], default=d.weighting)
     p.add_argument("--store", default=None, help="capture store folder: captures are kept there and reused")
     p.add_argument("--capture-only", action="store_true", help="fill --store for --steps x --batch-size sequences")
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (the model and scorer move there)")
-    p.add_argument("--check-sync", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--no-progress", action="store_true")
     return p
 
 
 def config_from_args(args) -> TrainConfig:
-    kw = {k: v for k, v in vars(args).items() if k in TrainConfig.field_names()}
-    kw["corpora"] = tuple(c for c in args.corpora.split(",") if c)
-    kw["progress"] = not args.no_progress
-    return TrainConfig(**kw)
+    return TrainConfig(**config_kwargs(args, TrainConfig))
 
 
 def main(argv: list[str] | None = None) -> int:
