@@ -21,6 +21,7 @@ from .bench import prefill as bench_prefill
 from .bench import targets as bench_targets
 from .cache import make_cache
 from .checkpoint import ScorerMismatchError, default_adapter_path
+from .compare import compare, human_bytes, table
 from .config import EvictionConfig, budget_of_compression
 from .data import load_documents
 from .evaluate.cli import main as eval_main
@@ -48,14 +49,6 @@ def demo_prompt(target_chars: int = 24_000) -> str:
         raise ValueError("the paul_graham corpus has no test essay")
     doc = min(docs, key=lambda d: (abs(len(d.text) - target_chars), d.id))
     return doc.text.strip() + "\n\n" + DEMO_QUESTION
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -109,11 +102,11 @@ def cmd_info(args) -> int:
         return 0
     for key in ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
         print(f"{key:>24}: {summary[key]}")
-    print(f"{'KV bytes / token':>24}: {_human(per_token)} (fp32)")
-    print(f"{'budget':>24}: B={ev.budget} (sinks {ev.sinks} + window {ev.window} + k {ev.k}, lam {ev.lam:g}; policy {policy}) -> {_human(per_token * ev.budget)} per sequence, however long")
+    print(f"{'KV bytes / token':>24}: {human_bytes(per_token)} (fp32)")
+    print(f"{'budget':>24}: B={ev.budget} (sinks {ev.sinks} + window {ev.window} + k {ev.k}, lam {ev.lam:g}; policy {policy}) -> {human_bytes(per_token * ev.budget)} per sequence, however long")
     for n in (1024, 4096, 8192):
         saved = 1 - min(ev.budget, n) / n
-        print(f"{'dense at ' + str(n):>24}: {_human(per_token * n)}  (budget saves {saved:.0%})")
+        print(f"{'dense at ' + str(n):>24}: {human_bytes(per_token * n)}  (budget saves {saved:.0%})")
     return 0
 
 
@@ -172,26 +165,75 @@ def _bundle_policy(adapter, default: str) -> str:
     return policy_for_scorer(str(folder / scorer)) if scorer else default
 
 
-def cmd_generate(args) -> int:
-    if args.scorer is not None:
-        policy = policy_for_scorer(args.scorer, args.policy)
-        policy_kwargs = {"path": args.scorer}
-    else:
-        policy = args.policy or DEFAULT_POLICY
-        policy_kwargs = {"seed": args.seed} if policy == "random" else {}
-    adapter = _generate_adapter(args, policy)
-    if adapter is not None and args.policy is None and args.scorer is None:
-        policy = _bundle_policy(adapter, policy)  # the bundle's scorer decides (an MLP bundle serves kvpop-mlp)
-    if policy != "dense":
-        _check_args(args)
-    prompt = _read_prompt(args)
+def _policy_kwargs(args, policy: str) -> dict:
+    """What the policy factory gets from the command line: the --scorer checkpoint for the policy it
+    serves, the random policy's seed."""
+    if args.scorer is not None and policy == policy_for_scorer(args.scorer):
+        return {"path": args.scorer}
+    return {"seed": args.seed} if policy == "random" else {}
+
+
+def _load(args, adapter):
+    """The model once (LoRA merged into the weights: the same model, no adapter layers on the decode path)."""
     t0 = time.perf_counter()
-    # LoRA merged into the weights: the same model, no adapter layers on the decode path
     model, tok = load_model_quietly(args.model, adapter=adapter, merge=adapter is not None)
     print(f"[kvpop] model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if adapter is not None:
         print(f"[kvpop] adapted model: {model.kvpop_adapter.path} (LoRA + its scorer; --base-model for the base "
               "model)", file=sys.stderr)  # fmt: skip
+    return model, tok
+
+
+def _compare_policies(args) -> list[str]:
+    policies = list(dict.fromkeys(p.strip() for p in args.compare.split(",") if p.strip()))
+    bad = [p for p in policies if p not in EVICTION_POLICIES]
+    if bad or not policies:
+        raise ValueError(f"--compare: unknown policy {bad[0]!r}; choose from {', '.join(EVICTION_POLICIES)}" if bad
+                         else "--compare: give at least one policy, e.g. dense,streaming,kvpop")  # fmt: skip
+    if args.policy is not None:
+        raise ValueError("--compare and --policy exclude each other (--compare names every policy to run)")
+    if args.scorer is not None:
+        policy_for_scorer(args.scorer)  # a readable scorer checkpoint, before the model loads
+    return policies
+
+
+def cmd_compare(args) -> int:
+    """``kvpop generate --compare P1,P2,...``: the same prompt under each policy, one table."""
+    policies = _compare_policies(args)
+    if any(p != "dense" for p in policies):
+        _check_args(args)
+    prompt = _read_prompt(args)
+    # the shipped adapted bundle when its scorer serves a compared policy (as `kvpop generate` would load it)
+    adapter = _generate_adapter(args, DEFAULT_POLICY if DEFAULT_POLICY in policies else policies[0])
+    if adapter is not None and args.adapter is None and _bundle_policy(adapter, DEFAULT_POLICY) not in policies:
+        adapter = None
+    model, tok = _load(args, adapter)
+    outcomes = compare(model, tok, prompt, policies, cache_kwargs={**_cache_kwargs(args), "compile": args.compile},
+                       policy_kwargs={p: _policy_kwargs(args, p) for p in policies},
+                       max_new_tokens=args.max_new_tokens, chat=args.chat)  # fmt: skip
+    r = outcomes[0].result
+    print(f"[kvpop] prompt {r.prompt_tokens:,} tokens; up to {args.max_new_tokens} new tokens per policy; "
+          f"{', '.join(f'{o.policy}: {o.result.cache!r}' for o in outcomes if o.result.cache is not None) or 'dense only'}",
+          file=sys.stderr)  # fmt: skip
+    print(table(outcomes))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    if args.compare is not None:
+        return cmd_compare(args)
+    if args.scorer is not None:
+        policy = policy_for_scorer(args.scorer, args.policy)
+    else:
+        policy = args.policy or DEFAULT_POLICY
+    adapter = _generate_adapter(args, policy)
+    if adapter is not None and args.policy is None and args.scorer is None:
+        policy = _bundle_policy(adapter, policy)  # the bundle's scorer decides (an MLP bundle serves kvpop-mlp)
+    policy_kwargs = _policy_kwargs(args, policy)
+    if policy != "dense":
+        _check_args(args)
+    prompt = _read_prompt(args)
+    model, tok = _load(args, adapter)
     kwargs = {} if policy == "dense" else _cache_kwargs(args)
     if policy != "dense":
         kwargs["compile"] = args.compile
@@ -211,7 +253,7 @@ def cmd_generate(args) -> int:
     if res.cache is not None and res.kv_bytes > res.dense_kv_bytes:
         note = f"; the {res.cache.budget} slots are allocated up front, so the bound pays off past {res.cache.budget} tokens"
     print(
-        f"[kvpop] KV cache held {_human(res.kv_bytes)} vs {_human(res.dense_kv_bytes)} dense "
+        f"[kvpop] KV cache held {human_bytes(res.kv_bytes)} vs {human_bytes(res.dense_kv_bytes)} dense "
         f"({res.kv_bytes / max(1, res.dense_kv_bytes):.1%}){note}",
         file=sys.stderr,
     )
@@ -250,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--base-model", action="store_true",
                     help="with the default policy on the embedded model: use the base model and its scorer, not the "
                          "shipped adapted bundle")  # fmt: skip
+    pg.add_argument("--compare", metavar="P1,P2,...", default=None,
+                    help="answer the same prompt under each of these policies (e.g. dense,streaming,kvpop) with one "
+                         "model load, and print one table: answer, KV held, prefill and decode tok/s, compiled or not")
     pg.add_argument("--compile", action="store_true",
                     help="compile the cache's steady decode step (a few seconds once, faster steps after)")
 
