@@ -7,7 +7,7 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvpop"
 ABOVE = ["train", "adapt", "evaluate", "bench", "data", "cli.py", "options.py", "runs.py", "quality.py",
-         "plotting.py"]  # fmt: skip
+         "plotting.py", "compare.py"]  # fmt: skip
 # (file, imported module) -> why it is imported inside a function
 DEFERRED = {
     ("plotting.py", "matplotlib"): "heavy (~0.5 s); only the PNG writers need it",

@@ -45,20 +45,18 @@ def _same_history(got: list[dict], want: list[dict], key: str) -> None:
         assert g["lr"] == pytest.approx(w["lr"], rel=1e-12)
 
 
-def test_a_train_run_from_before_the_shared_loop_resumes(old_runs):
+@pytest.mark.parametrize("name,config,run,key", [("train", TrainConfig, train, "loss"),
+                                                 ("adapt", AdaptConfig, adapt, "kl")])  # fmt: skip
+def test_a_run_from_before_the_shared_loop_resumes(old_runs, name, config, run, key):
     folder, expected = old_runs
-    cfg = expected["train"]["config"]
-    cfg["budgets"], cfg["observed"] = tuple(cfg["budgets"]), tuple(cfg["observed"])
-    summary = train(TrainConfig(out=str(folder / "train"), **cfg), tiny_model("llama"), tiny_tokenizer())
-    _same_history(summary["history"], expected["train"]["history"], "loss")
-
-
-def test_an_adapt_run_from_before_the_shared_loop_resumes(old_runs):
-    folder, expected = old_runs
-    cfg = expected["adapt"]["config"]
-    cfg["budgets"], cfg["lora_targets"] = tuple(cfg["budgets"]), tuple(cfg["lora_targets"])
-    summary = adapt(AdaptConfig(out=str(folder / "adapt"), **cfg), tiny_model("llama"), tiny_tokenizer())
-    _same_history(summary["history"], expected["adapt"]["history"], "kl")
+    state = folder / name / "train_state.pt"
+    blob = torch.load(state, weights_only=False)
+    blob["history"][0]["restored"] = True  # so the history can only have come from the checkpoint
+    torch.save(blob, state)
+    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in expected[name]["config"].items()}
+    summary = run(config(out=str(folder / name), **cfg), tiny_model("llama"), tiny_tokenizer())
+    assert summary["history"][0].get("restored") and "restored" not in summary["history"][2]
+    _same_history(summary["history"], expected[name]["history"], key)
 
 
 @dataclass
