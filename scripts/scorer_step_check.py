@@ -18,8 +18,9 @@ import torch
 
 import kvpop
 from kvpop.adapt.config import AdaptConfig
-from kvpop.adapt.loop import _schedule, scorer_step
+from kvpop.adapt.loop import scorer_step
 from kvpop.checkpoint import default_scorer_path, load_scorer
+from kvpop.runs import cosine_schedule
 from kvpop.train.config import TrainConfig
 from kvpop.train.data import SequenceSource, capture_example
 from kvpop.train.quality import RetentionProbe
@@ -39,7 +40,7 @@ if BEFORE:
     res["before"] = probe(scorer, (512, 1024))
     print("before", res["before"]["mean_retention"], flush=True)
 opt = torch.optim.AdamW(scorer.parameters(), lr=LR, weight_decay=0.0)
-sched = _schedule(opt, STEPS)
+sched = cosine_schedule(opt, STEPS)
 src = SequenceSource(tcfg, tok, "train")
 losses = []
 for step in range(STEPS):

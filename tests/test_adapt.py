@@ -2,6 +2,7 @@
 checkpoints / resume, bundles loadable by kvpop.load_model, DDP, config errors, the report helper."""
 
 import json
+import math
 import os
 import random
 import subprocess
@@ -341,6 +342,9 @@ def test_compare_adapted(tmp_path, docs, scorer_path):
     assert set(rows) == {"adapted kvpop", "adapted streaming", "base kvpop", "base streaming", "adapted dense",
                          "streaming+ dense"}  # fmt: skip
     assert all(0 < r["retention"] and r["n_tokens"] == 2 * 39 for r in rows.values())
+    # the continuation task next to lm: the last 64 / 16 = 4 predictions of each document, as kvpop eval scores it
+    assert all(r["continuation"]["n_tokens"] == 2 * 4 and 0 < r["continuation"]["retention"] for r in rows.values())
+    assert all(set(d) == {"doc", "retention", "continuation"} for d in rows["base kvpop"]["per_doc"])
     assert res["settings"]["windows"] == {"24": 8} and res["settings"]["base_scorer"] == str(scorer_path)
     assert not any("lora_" in n for n, _ in base.named_parameters())  # the caller's model is left alone
 
@@ -384,6 +388,10 @@ def test_compare_adapted_command(tmp_path, docs, scorer_path, monkeypatch, capsy
     wl = agg["all"]["24"]["base kvpop"]
     assert wl["subject_wins"] + wl["subject_losses"] <= 3 and "subject_wins" not in agg["all"]["24"]["adapted kvpop"]
     assert "kvpop, adapted" in (tmp_path / "rep" / "table.md").read_text()
+    for row, e in agg["all"]["24"].items():  # the continuation is recorded next to lm, with its own W-L
+        assert e["continuation"]["retention"] == pytest.approx(want[row]["continuation"]["retention"], rel=1e-6), row
+        assert e["continuation"]["n_tokens"] == 3 * 4
+    assert "continuation" in (tmp_path / "rep" / "table.md").read_text().splitlines()[2]
     # another StreamingLLM+ bundle: only the two rows that run it are run again
     adapt(_cfg(tmp_path / "st2", docs, mask="streaming", steps=3), tiny_model("llama"), tok)
     assert report.main([*args[:2], "--streaming-bundle", str(tmp_path / "st2" / "adapter"), *args[4:]]) == 0
@@ -411,3 +419,29 @@ def test_adapt_over_a_budget_range(tmp_path, docs, scorer_path):
     meta = read_bundle_meta(tmp_path / "adapter")["meta"]
     t = TrainedSettings.from_meta(meta["trained_for"])
     assert t.budget_range == (16, 40) and t.window == 8
+
+
+def test_compare_adapted_report_reads_records_from_before_the_continuation():
+    """Records written before compare-adapted scored the continuation aggregate as before (lm only); the
+    table gets continuation columns only when every document has them."""
+    from kvpop.adapt.report import aggregate, table
+
+    def rec(doc, lm, cont=None):
+        sums = {r: {"n": 10, "nll_dense": 10.0, "nll_policy": 10.0 + lm[i], "kl": 0.1, "top1": 9.0}
+                for i, r in enumerate(("adapted kvpop", "base kvpop"))}  # fmt: skip
+        out = {"domain": "in_domain", "corpus": "c", "doc": doc, "sums": {"24": sums}, "wall_s": 1.0}
+        if cont is not None:
+            out["continuation"] = {"24": {r: {**s, "nll_policy": 10.0 + cont} for r, s in sums.items()}}
+        return out
+
+    old = [rec(0, (0.1, 0.2)), rec(1, (0.1, 0.3))]
+    agg = aggregate(old, [24], n_boot=10)
+    e = agg["all"]["24"]["base kvpop"]
+    assert (e["subject_wins"], e["subject_losses"]) == (2, 0) and "continuation" not in e
+    assert "continuation" not in table({"aggregate": agg})
+    mixed = aggregate([*old, rec(2, (0.1, 0.2), cont=0.5)], [24], n_boot=10)
+    assert "continuation" not in mixed["all"]["24"]["base kvpop"]
+    new = aggregate([rec(0, (0.1, 0.2), cont=0.5), rec(1, (0.1, 0.3), cont=0.2)], [24], n_boot=10)
+    c = new["all"]["24"]["base kvpop"]["continuation"]
+    assert c["n_tokens"] == 20 and c["retention"] == pytest.approx(math.exp(-0.035))
+    assert "| continuation | W-L" in table({"aggregate": new})

@@ -1,5 +1,6 @@
 """The command line: one meaning of --scorer, benchmark help, long prompts, quiet loading, defaults."""
 
+import re
 import warnings
 
 import pytest
@@ -183,3 +184,41 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
     assert _generate_adapter(args(model="x"), "kvpop") is None and _generate_adapter(args(scorer="s"), "kvpop") is None
     monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "none")
     assert _generate_adapter(args(), "kvpop") is None  # nothing shipped: the base model
+
+
+def test_generate_compare_answers_under_each_policy_with_one_model_load(tiny, capsys, monkeypatch):
+    """--compare: one load, the same prompt under each policy, one table (answer, KV held, tok/s, compiled)."""
+    import kvpop.models
+
+    root, paths = tiny
+    loads = []
+    real = kvpop.models.load_model
+    monkeypatch.setattr(kvpop.models, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    assert _generate(root, "--compare", "dense,streaming,kvpop", "--scorer", str(paths["mlstm"])) == 0
+    out, err = capsys.readouterr()
+    assert len(loads) == 1
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("| policy | KV held (vs dense) | prefill tok/s | decode tok/s | decode step | answer |")
+    cells = [[c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines[2:]]
+    rows = {c[0]: c[1:] for c in cells}
+    assert list(rows) == ["dense", "streaming", "kvpop"]
+    assert rows["dense"][0].endswith("(100.0%)") and rows["dense"][3] == "-"  # dense holds every token, no kvpop cache
+    assert rows["streaming"][0].startswith("8.0 KiB (") and rows["kvpop"][0].startswith("8.0 KiB (")  # B = 16 slots each
+    assert rows["kvpop"][3] == "eager" and all(r[4] for r in rows.values())  # the suite runs eagerly (KVPOP_COMPILE=0); every row answered
+    assert "kvpop: KVpopCache(sinks=4, window=4, k=8, budget=16" in err
+    # the same answers as one policy at a time
+    assert _generate(root, "--policy", "streaming") == 0
+    assert capsys.readouterr().out.strip().split() == rows["streaming"][4].split()
+
+
+def test_generate_compare_checks_its_arguments_before_loading(tiny, capsys, monkeypatch):
+    import kvpop.models
+
+    root, _ = tiny
+    monkeypatch.setattr(kvpop.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    assert _generate(root, "--compare", "dense,nope") == 2
+    assert "--compare: unknown policy 'nope'" in capsys.readouterr().err
+    assert _generate(root, "--compare", "dense,streaming", "--policy", "h2o") == 2
+    assert "--compare and --policy exclude each other" in capsys.readouterr().err
+    assert _generate(root, "--compare", ",") == 2
+    assert "give at least one policy" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvpop import data, testing
-from kvpop.data import CorpusNotFoundError, Document
+from kvpop.data import CorpusNotFoundError, Document, base, python_docs, splits
 
 FIXTURES = Path(__file__).parent / "fixtures" / "corpora"
 FIXTURE_CORPORA = ["shakespeare", "paul_graham", "wikipedia", "python_docs", "python_code", "human_eval"]
@@ -85,7 +85,7 @@ def test_splits_deterministic_disjoint_and_complete(name, human_eval_root):
 def test_split_of_is_pinned():
     # Guards the split scheme: changing it would silently move documents between splits.
     assert [data.split_of(i) for i in ("hamlet", "HumanEval/0", "os.py", "Cat")] == ["train"] * 4
-    assert data._unit_hash("hamlet") == pytest.approx(0.12461015974588623)
+    assert splits.unit_hash("hamlet") == pytest.approx(0.12461015974588623)
     counts = {s: 0 for s in data.SPLITS}
     for i in range(2000):
         counts[data.split_of(f"doc{i}")] += 1
@@ -159,8 +159,8 @@ def test_unknown_corpus_and_split():
     ],
 )
 def test_missing_corpus_names_install_command(monkeypatch, name, install):
-    monkeypatch.setattr(data, "_find_package_dir", lambda package: None)
-    monkeypatch.setattr(data, "_locate_python_docs", lambda: None)
+    monkeypatch.setattr(base, "find_package_dir", lambda package: None)
+    monkeypatch.setattr(python_docs, "locate", lambda: None)
     with pytest.raises(CorpusNotFoundError) as info:
         data.load_documents(name)
     assert isinstance(info.value, FileNotFoundError)
@@ -316,3 +316,16 @@ def test_training_windows_look_like_evaluation_documents(tmp_path):
     assert not any(int(t) in specials for _, ids in take for t in ids)
     with pytest.raises(ValueError, match="no all window of 100000 tokens"):
         next(data.training_windows(tok, ["shakespeare"], 100000, "all", 0, roots))
+
+
+def test_every_corpus_module_registers_one_corpus_and_the_public_names_stay():
+    """kvpop.data is a package (one module per corpus, plus splits, user documents and packing); the names
+    of the single module it replaced still import from kvpop.data."""
+    import importlib
+
+    for name, corpus in data.CORPORA.items():
+        assert importlib.import_module(f"kvpop.data.{name}").CORPUS is corpus
+    for name in ("CORPORA", "EVALUATION_CORPORA", "SPLITS", "Corpus", "CorpusNotFoundError", "Document",
+                 "corpus_stats", "iter_packed", "list_corpora", "load_documents", "long_documents",
+                 "read_user_documents", "round_robin_windows", "split_documents", "split_of", "training_windows"):  # fmt: skip
+        assert getattr(data, name) is not None, name

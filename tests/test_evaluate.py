@@ -13,13 +13,14 @@ from kvpop.evaluate import (
     EvalConfig,
     PolicyUnavailable,
     Sums,
-    make_policy,
+    build_cache,
     policy_available,
     run_eval,
     sums_from_logits,
     teacher_forced,
 )
 from kvpop.evaluate.cli import main
+from kvpop.evaluate.core import oracle_targets_multi
 from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -91,9 +92,8 @@ def test_one_forward_equals_token_by_token(policy):
     # reference: dense logits with no cache, policy logits by feeding the physical cache token by token
     with torch.no_grad():
         dl = model(ids.view(1, -1)).logits[0]
-        cache = KVpopCache(
-            model.config, budget=24, window=6, sinks=2, policy=make_policy(policy, model, ids, budget)
-        )
+        oracle = oracle_targets_multi(model, ids, [6]) if policy == "oracle" else None
+        cache = build_cache(model, policy, 24, window=6, sinks=2, oracle=oracle)
         pl = torch.cat([model(ids.view(1, -1)[:, i : i + 1], cache=cache).logits[0] for i in range(70)])
     ref = sums_from_logits(dl[24:69], pl[24:69], ids[25:70]).metrics()
     assert ref["retention"] != pytest.approx(1.0, abs=1e-6)  # eviction changed something

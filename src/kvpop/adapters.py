@@ -130,6 +130,17 @@ def teacher_mode(model) -> Iterator[Any]:
         yield model
 
 
+@contextlib.contextmanager
+def base_model(model, frozen=None) -> Iterator[Any]:
+    """The base model (the teacher of ``kvpop adapt``): ``frozen`` if given (a full fine-tune keeps a
+    frozen copy), else ``model`` with its adapter off (:func:`teacher_mode`)."""
+    if frozen is not None:
+        yield frozen
+    else:
+        with teacher_mode(model):
+            yield model
+
+
 def base_fingerprint(model) -> dict[str, Any]:
     """``kvpop.checkpoint.model_fingerprint`` of the base model; it reads through a peft wrapper
     (unmerged LoRA weights do not change the base weights)."""

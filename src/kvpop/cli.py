@@ -8,58 +8,46 @@ import sys
 import time
 from pathlib import Path
 
-from .config import BudgetArgs
-from .policies import DEFAULT_POLICY, KIND_TO_POLICY, policy_names
+import torch
+
+from .adapt.cli import main as adapt_main
+from .adapt.report import main as report_main
+from .adapters import read_bundle_meta
+from .attention import detach
+from .bench import generate as bench_generate
+from .bench import gpu as bench_gpu
+from .bench import overhead as bench_overhead
+from .bench import prefill as bench_prefill
+from .bench import targets as bench_targets
+from .cache import make_cache
+from .checkpoint import ScorerMismatchError, default_adapter_path
+from .compare import compare, human_bytes, table
+from .config import BudgetArgs, EvictionConfig, budget_of_compression
+from .data import load_documents
+from .evaluate.cli import main as eval_main
+from .generate import generate
+from .models import model_summary
+from .options import load_model_quietly, policy_for_scorer
+from .policies import DEFAULT_POLICY, policy_names
+from .train.cli import main as train_main
+from .train.diagnose import main as diagnose_main
 
 EVICTION_POLICIES = policy_names(teacher_forced=False)  # dense + every policy that can generate
-BENCHMARKS = ("targets", "generate", "overhead", "prefill", "gpu")
+BENCHMARKS = {"targets": bench_targets.main, "generate": bench_generate.main, "overhead": bench_overhead.main,
+              "prefill": bench_prefill.main, "gpu": bench_gpu.main}  # fmt: skip
+SUBCOMMANDS = {"train": train_main, "eval": eval_main, "diagnose": diagnose_main, "adapt": adapt_main,
+               "compare-adapted": report_main}  # fmt: skip
 DEMO_QUESTION = "In one sentence, what is the main advice of the essay above?"
-
-
-def load_model_quietly(name_or_path=None, adapter=None, merge: bool = False):
-    """``kvpop.load_model`` for the command line: kvpop's one-time conversion messages, but not
-    transformers' per-load "Loading weights" bar (noise on every run)."""
-    from transformers.utils import logging as hf_logging
-
-    from .models import load_model
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        return load_model(name_or_path, progress=True, adapter=adapter, merge=merge)
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def policy_for_scorer(path: str, policy: str | None = None) -> str:
-    """The learned policy a scorer checkpoint belongs to (its kind, read from the file's header)."""
-    from .checkpoint import scorer_kind
-
-    name = KIND_TO_POLICY[scorer_kind(path)]
-    if policy is not None and policy != name:
-        raise ValueError(f"--scorer {path} is a {scorer_kind(path)} scorer (policy {name}); it cannot serve --policy {policy}")
-    return name
 
 
 def demo_prompt(target_chars: int = 24_000) -> str:
     """A built-in long prompt: the Paul Graham essay of the corpus's test split closest to
     ``target_chars`` characters (~6k tokens), then a question about it."""
-    from .data import load_documents
-
     docs = load_documents("paul_graham", "test")
     if not docs:
         raise ValueError("the paul_graham corpus has no test essay")
     doc = min(docs, key=lambda d: (abs(len(d.text) - target_chars), d.id))
     return doc.text.strip() + "\n\n" + DEMO_QUESTION
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -89,14 +77,6 @@ def _cache_kwargs(args) -> dict:
 
 
 def cmd_info(args) -> int:
-    import torch
-
-    from .attention import detach
-    from .cache import make_cache
-    from .checkpoint import ScorerMismatchError
-    from .config import EvictionConfig
-    from .models import model_summary
-
     _check_args(args)
     model, _ = load_model_quietly(args.model)
     summary = model_summary(model.config, dtype=torch.float32)
@@ -121,11 +101,11 @@ def cmd_info(args) -> int:
         return 0
     for key in ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
         print(f"{key:>24}: {summary[key]}")
-    print(f"{'KV bytes / token':>24}: {_human(per_token)} (fp32)")
-    print(f"{'budget':>24}: B={ev.budget} (sinks {ev.sinks} + window {ev.window} + k {ev.k}, lam {ev.lam:g}; policy {policy}) -> {_human(per_token * ev.budget)} per sequence, however long")
+    print(f"{'KV bytes / token':>24}: {human_bytes(per_token)} (fp32)")
+    print(f"{'budget':>24}: B={ev.budget} (sinks {ev.sinks} + window {ev.window} + k {ev.k}, lam {ev.lam:g}; policy {policy}) -> {human_bytes(per_token * ev.budget)} per sequence, however long")
     for n in (1024, 4096, 8192):
         saved = 1 - min(ev.budget, n) / n
-        print(f"{'dense at ' + str(n):>24}: {_human(per_token * n)}  (budget saves {saved:.0%})")
+        print(f"{'dense at ' + str(n):>24}: {human_bytes(per_token * n)}  (budget saves {saved:.0%})")
     return 0
 
 
@@ -153,8 +133,6 @@ def _check_args(args) -> None:
         if kw.get("budget") is not None and kw.get("window") is not None and kw["budget"] < kw["sinks"] + kw["window"]:
             raise ValueError(f"budget={kw['budget']} is smaller than sinks + window = {kw['sinks']} + {kw['window']}")
         if kw.get("compression") is not None:
-            from .config import budget_of_compression
-
             budget_of_compression(kw["compression"], kw["reference_length"])
     except (TypeError, ValueError) as exc:  # "reference_length must be ..." -> "--reference-length must be ..."
         name, _, rest = str(exc).partition(" ")
@@ -166,8 +144,6 @@ def _check_args(args) -> None:
 def _generate_adapter(args, policy: str):
     """The adapter bundle `kvpop generate` loads: --adapter, else the shipped one for the embedded
     model under the default learned policy (its own scorer), unless --base-model."""
-    from .checkpoint import default_adapter_path
-
     if args.adapter is not None:
         if args.base_model:
             raise ValueError("--adapter and --base-model exclude each other")
@@ -183,36 +159,80 @@ def _generate_adapter(args, policy: str):
 
 def _bundle_policy(adapter, default: str) -> str:
     """The learned policy an adapter bundle's scorer serves (``default`` for a bundle without one)."""
-    from .adapters import read_bundle_meta
-    from .checkpoint import default_adapter_path
-
     folder = default_adapter_path() if str(adapter) == "default" else Path(adapter)
     scorer = read_bundle_meta(folder).get("scorer")
     return policy_for_scorer(str(folder / scorer)) if scorer else default
 
 
-def cmd_generate(args) -> int:
-    from .generate import generate
+def _policy_kwargs(args, policy: str) -> dict:
+    """What the policy factory gets from the command line: the --scorer checkpoint for the policy it
+    serves, the random policy's seed."""
+    if args.scorer is not None and policy == policy_for_scorer(args.scorer):
+        return {"path": args.scorer}
+    return {"seed": args.seed} if policy == "random" else {}
 
-    if args.scorer is not None:
-        policy = policy_for_scorer(args.scorer, args.policy)
-        policy_kwargs = {"path": args.scorer}
-    else:
-        policy = args.policy or DEFAULT_POLICY
-        policy_kwargs = {"seed": args.seed} if policy == "random" else {}
-    adapter = _generate_adapter(args, policy)
-    if adapter is not None and args.policy is None and args.scorer is None:
-        policy = _bundle_policy(adapter, policy)  # the bundle's scorer decides (an MLP bundle serves kvpop-mlp)
-    if policy != "dense":
-        _check_args(args)
-    prompt = _read_prompt(args)
+
+def _load(args, adapter):
+    """The model once (LoRA merged into the weights: the same model, no adapter layers on the decode path)."""
     t0 = time.perf_counter()
-    # LoRA merged into the weights: the same model, no adapter layers on the decode path
     model, tok = load_model_quietly(args.model, adapter=adapter, merge=adapter is not None)
     print(f"[kvpop] model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if adapter is not None:
         print(f"[kvpop] adapted model: {model.kvpop_adapter.path} (LoRA + its scorer; --base-model for the base "
               "model)", file=sys.stderr)  # fmt: skip
+    return model, tok
+
+
+def _compare_policies(args) -> list[str]:
+    policies = list(dict.fromkeys(p.strip() for p in args.compare.split(",") if p.strip()))
+    bad = [p for p in policies if p not in EVICTION_POLICIES]
+    if bad or not policies:
+        raise ValueError(f"--compare: unknown policy {bad[0]!r}; choose from {', '.join(EVICTION_POLICIES)}" if bad
+                         else "--compare: give at least one policy, e.g. dense,streaming,kvpop")  # fmt: skip
+    if args.policy is not None:
+        raise ValueError("--compare and --policy exclude each other (--compare names every policy to run)")
+    if args.scorer is not None:
+        policy_for_scorer(args.scorer)  # a readable scorer checkpoint, before the model loads
+    return policies
+
+
+def cmd_compare(args) -> int:
+    """``kvpop generate --compare P1,P2,...``: the same prompt under each policy, one table."""
+    policies = _compare_policies(args)
+    if any(p != "dense" for p in policies):
+        _check_args(args)
+    prompt = _read_prompt(args)
+    # the shipped adapted bundle when its scorer serves a compared policy (as `kvpop generate` would load it)
+    adapter = _generate_adapter(args, DEFAULT_POLICY if DEFAULT_POLICY in policies else policies[0])
+    if adapter is not None and args.adapter is None and _bundle_policy(adapter, DEFAULT_POLICY) not in policies:
+        adapter = None
+    model, tok = _load(args, adapter)
+    outcomes = compare(model, tok, prompt, policies, cache_kwargs={**_cache_kwargs(args), "compile": args.compile},
+                       policy_kwargs={p: _policy_kwargs(args, p) for p in policies},
+                       max_new_tokens=args.max_new_tokens, chat=args.chat)  # fmt: skip
+    r = outcomes[0].result
+    print(f"[kvpop] prompt {r.prompt_tokens:,} tokens; up to {args.max_new_tokens} new tokens per policy; "
+          f"{', '.join(f'{o.policy}: {o.result.cache!r}' for o in outcomes if o.result.cache is not None) or 'dense only'}",
+          file=sys.stderr)  # fmt: skip
+    print(table(outcomes))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    if args.compare is not None:
+        return cmd_compare(args)
+    if args.scorer is not None:
+        policy = policy_for_scorer(args.scorer, args.policy)
+    else:
+        policy = args.policy or DEFAULT_POLICY
+    adapter = _generate_adapter(args, policy)
+    if adapter is not None and args.policy is None and args.scorer is None:
+        policy = _bundle_policy(adapter, policy)  # the bundle's scorer decides (an MLP bundle serves kvpop-mlp)
+    policy_kwargs = _policy_kwargs(args, policy)
+    if policy != "dense":
+        _check_args(args)
+    prompt = _read_prompt(args)
+    model, tok = _load(args, adapter)
     kwargs = {} if policy == "dense" else _cache_kwargs(args)
     if policy != "dense":
         kwargs["compile"] = args.compile
@@ -234,47 +254,11 @@ def cmd_generate(args) -> int:
     if res.cache is not None and res.kv_bytes > res.dense_kv_bytes:
         note = f"; the {res.cache.budget} slots are allocated up front, so the bound pays off past {res.cache.budget} tokens"
     print(
-        f"[kvpop] KV cache held {_human(res.kv_bytes)} vs {_human(res.dense_kv_bytes)} dense "
+        f"[kvpop] KV cache held {human_bytes(res.kv_bytes)} vs {human_bytes(res.dense_kv_bytes)} dense "
         f"({res.kv_bytes / max(1, res.dense_kv_bytes):.1%}){note}",
         file=sys.stderr,
     )
     return 0
-
-
-def cmd_bench(what: str, rest: list[str]) -> int:
-    import importlib
-
-    return importlib.import_module(f"kvpop.bench.{what}").main(rest) or 0
-
-
-def cmd_train(rest: list[str]) -> int:
-    from .train import main as train_main
-
-    return train_main(rest)
-
-
-def cmd_adapt(rest: list[str]) -> int:
-    from .adapt import main as adapt_main
-
-    return adapt_main(rest)
-
-
-def cmd_diagnose(rest: list[str]) -> int:
-    from .train.diagnose import main as diagnose_main
-
-    return diagnose_main(rest)
-
-
-def cmd_compare_adapted(rest: list[str]) -> int:
-    from .adapt.report import main as report_main
-
-    return report_main(rest)
-
-
-def cmd_eval(rest: list[str]) -> int:
-    from .evaluate.cli import main as eval_main
-
-    return eval_main(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,12 +293,15 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--base-model", action="store_true",
                     help="with the default policy on the embedded model: use the base model and its scorer, not the "
                          "shipped adapted bundle")  # fmt: skip
+    pg.add_argument("--compare", metavar="P1,P2,...", default=None,
+                    help="answer the same prompt under each of these policies (e.g. dense,streaming,kvpop) with one "
+                         "model load, and print one table: answer, KV held, prefill and decode tok/s, compiled or not")
     pg.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="compile the cache's steady decode step (default: on where a compiler works, a few seconds "
                          "once, faster steps after; --no-compile: eager)")
 
     pb = sub.add_parser("bench", help="benchmarks (write JSON); `kvpop bench NAME --help` for a benchmark's options")
-    pb.add_argument("what", choices=BENCHMARKS)
+    pb.add_argument("what", choices=list(BENCHMARKS))
     sub.add_parser("train", help="train a KVpop scorer (see `kvpop train --help`)", add_help=False)
     sub.add_parser("adapt", help="adapt the LLM to the bounded cache with LoRA (see `kvpop adapt --help`)",
                    add_help=False)  # fmt: skip
@@ -330,12 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train", "eval", "diagnose", "adapt", "compare-adapted"):
-        run = {"train": cmd_train, "eval": cmd_eval, "diagnose": cmd_diagnose, "adapt": cmd_adapt,
-               "compare-adapted": cmd_compare_adapted}[argv[0]]
-        return run(argv[1:])
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:  # the benchmark parses (and --help) its own options
-        return cmd_bench(argv[1], argv[2:])
+    if argv and argv[0] in SUBCOMMANDS:  # the subcommand parses (and --help) its own options
+        return SUBCOMMANDS[argv[0]](argv[1:])
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
+        return BENCHMARKS[argv[1]](argv[2:]) or 0
     args = parser.parse_args(argv)
     try:
         if args.command == "info":

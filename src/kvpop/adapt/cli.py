@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-
-import torch.distributed as dist
 
 from ..adapters import DEFAULT_LORA_TARGETS
-from ..files import json_safe
-from ..train.cli import budget_range_arg
+from ..options import add_run_arguments, config_kwargs, run_training_command
 from ..train.config import TRAIN_CORPORA
 from .config import KL_POSITIONS, KL_TAILS, MASKS, AdaptConfig
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
+from .loop import adapt, strip_per_doc
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -29,7 +20,6 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     )
     d = AdaptConfig()
     p.add_argument("--out", required=True, help="output folder (adapter/, best/, train_state.pt, summary.json)")
-    p.add_argument("--model", default=None, help="local HF folder or .gguf (default: embedded SmolLM2)")
     p.add_argument("--mask", choices=MASKS, default=d.mask,
                    help="kvpop: the learned scorer's eviction mask; streaming: the StreamingLLM+ control "
                         "(sinks + window = B - sinks, no scorer)")  # fmt: skip
@@ -37,18 +27,14 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     joint = p.add_mutually_exclusive_group()
     joint.add_argument("--joint", dest="joint", action="store_true",
                        help="also train the scorer (boundary loss on the adapted model's keys); measured to lower "
-                            "retention so far, see the README")  # fmt: skip
+                            "retention so far, see docs/adaptation.md")  # fmt: skip
     joint.add_argument("--no-joint", dest="joint", action="store_false", help="keep the scorer fixed (the default)")
     p.set_defaults(joint=d.joint)
-    p.add_argument("--corpora", default=",".join(TRAIN_CORPORA), help="comma-separated training corpora")
-    p.add_argument("--docs-from", default=None, help="adapt on your own texts: a folder of .txt or a .jsonl")
-    p.add_argument("--budgets", type=_ints, default=d.budgets, help="comma-separated budgets B; one is drawn per step")
-    p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
-    p.add_argument("--budget-range", type=budget_range_arg, default=None, metavar="LO,HI",
-                   help="draw B log-uniformly from [LO, HI] at every step instead of --budgets (window: the scorer's "
-                        "trained fraction of B)")  # fmt: skip
-    p.add_argument("--val-budgets", type=_ints, default=(),
-                   help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)")
+    add_run_arguments(p, d, texts="adapt on", corpora=TRAIN_CORPORA,
+                      range_help="(window: the scorer's trained fraction of B)",
+                      int_fields=("seq_len", "batch_size", "sinks", "lora_r", "steps", "top_k", "logit_chunk",
+                                  "query_block", "val_docs", "val_every", "ckpt_every", "seed", "stop_after"),
+                      float_fields=("lr", "scorer_lr", "weight_decay", "temperature", "tau"))  # fmt: skip
     p.add_argument("--window", type=int, default=None,
                    help="protected window (default: the scorer's trained fraction of B, else B / 2; streaming: B - sinks)")  # fmt: skip
     p.add_argument("--window-fraction", type=float, default=None)
@@ -65,54 +51,23 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute layer activations in backward (CPU only): SmolLM2 at --seq-len 4096 peaks near "
                         "6 GB per process instead of ~11 GB, for ~20%% more time per step")  # fmt: skip
-    for name in ("seq_len", "batch_size", "sinks", "lora_r", "steps", "top_k", "logit_chunk", "query_block",
-                 "val_docs", "val_every", "ckpt_every", "seed", "stop_after"):  # fmt: skip
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("lr", "scorer_lr", "weight_decay", "temperature", "tau"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
-    p.add_argument("--weighting", choices=["uniform", "mass"], default=d.weighting)
     p.add_argument("--scorer-loss", choices=["boundary", "mse"], default=d.scorer_loss)
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (model and scorer move there)")
-    p.add_argument("--check-sync", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--no-progress", action="store_true")
     return p
 
 
 def config_from_args(args) -> AdaptConfig:
-    kw = {k: v for k, v in vars(args).items() if k in AdaptConfig.field_names()}
-    kw["corpora"] = tuple(c for c in args.corpora.split(",") if c)
+    kw = config_kwargs(args, AdaptConfig)
     kw["lora_targets"] = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    kw["progress"] = not args.no_progress
     return AdaptConfig(**kw)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = config_from_args(args)
-        cfg.validate()  # bad input fails before the model loads
-    except (TypeError, ValueError, FileNotFoundError) as exc:
-        print(f"kvpop adapt: error: {exc}", file=sys.stderr)
-        return 2
-    from .loop import adapt
-
-    try:
-        summary = adapt(cfg)
-    except (ValueError, OSError) as exc:  # OSError: an unwritable --out, a full disk (the last checkpoint kept)
-        print(f"kvpop adapt: error: {exc}", file=sys.stderr)
-        return 2
-    if int(os.environ.get("RANK", "0")) == 0:
-        last_val = next((h["val"] for h in reversed(summary["history"]) if "val" in h), None)
-        print(json.dumps(json_safe({"best": summary["best"], "tokens_seen": summary["tokens_seen"],
-                                    "seconds": summary["seconds_this_process"], "peak_rss_mib": summary["peak_rss_mib"],
-                                    "baseline": _short(summary.get("baseline")), "last_validation": _short(last_val)}),
-                         indent=1))  # fmt: skip
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+    return run_training_command("kvpop adapt", argv, build_parser(), config_from_args, adapt, _report,
+                                config_errors=(TypeError, ValueError, FileNotFoundError))  # fmt: skip
 
 
-def _short(q):
-    if isinstance(q, dict):
-        return {k: _short(v) for k, v in q.items() if k != "per_doc"}
-    return q
+def _report(summary: dict) -> dict:
+    last_val = next((h["val"] for h in reversed(summary["history"]) if "val" in h), None)
+    return {"best": summary["best"], "tokens_seen": summary["tokens_seen"], "seconds": summary["seconds_this_process"],
+            "peak_rss_mib": summary["peak_rss_mib"], "baseline": strip_per_doc(summary.get("baseline")),
+            "last_validation": strip_per_doc(last_val)}  # fmt: skip

@@ -5,11 +5,16 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..adapters import DEFAULT_LORA_TARGETS
+from ..checkpoint import read_header
 from ..config import EvictionConfig, TrainedSettings, default_window, resolve_eviction
+from ..data import CORPORA
+from ..runs import RunSettings
 from ..train.config import TRAIN_CORPORA
 
 MASKS = ("kvpop", "streaming")
@@ -25,7 +30,7 @@ RESUME_KEYS = ("mask", "joint", "corpora", "docs_from", "seq_len", "batch_size",
 
 
 @dataclass
-class AdaptConfig:
+class AdaptConfig(RunSettings):
     """An adaptation run (LoRA or full fine-tune under the eviction mask). See ``kvpop adapt --help``."""
 
     out: str = "runs/adapt"
@@ -76,14 +81,7 @@ class AdaptConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.budget is not None:
-            self.budgets = (int(self.budget),)
-            self.budget = None
-        self.budgets = tuple(int(b) for b in self.budgets)
-        if self.budget_range is not None:
-            self.budget_range = (int(self.budget_range[0]), int(self.budget_range[1]))
-        self.val_budgets = tuple(int(b) for b in self.val_budgets)
-        self.corpora = tuple(self.corpora)
+        self.normalise_budgets()
         if isinstance(self.lora_targets, str):
             self.lora_targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
         self.lora_targets = tuple(self.lora_targets)
@@ -95,8 +93,6 @@ class AdaptConfig:
         if self.scorer is None:
             return {}
         if self._scorer_header is None:
-            from ..checkpoint import read_header
-
             self._scorer_header = read_header(self.scorer)
         return self._scorer_header
 
@@ -145,15 +141,6 @@ class AdaptConfig:
             return self.eviction(rng.choice(self.budgets))
         lo, hi = self.budget_range
         return self.eviction(round(lo * (hi / lo) ** rng.random()))
-
-    def validation_budgets(self) -> tuple[int, ...]:
-        """``val_budgets``, else the training budgets, else three spanning the range (as ``kvpop train``)."""
-        if self.val_budgets:
-            return self.val_budgets
-        if self.budget_range is None:
-            return self.budgets
-        lo, hi = self.budget_range
-        return tuple(sorted({min(hi, 2 * lo), round(math.sqrt(lo * hi)), max(lo, hi // 2)}))
 
     def trained_for(self) -> dict:
         """What the bundle's scorer (and caches built from it) default to (``TrainedSettings``): the
@@ -240,22 +227,14 @@ class AdaptConfig:
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"stop_after must be >= 1, got {self.stop_after}")
         if not self.docs_from:
-            from ..data import CORPORA
-
             for c in self.corpora:
                 if c not in CORPORA:
                     raise ValueError(f"unknown corpus {c!r}; known: {', '.join(CORPORA)}")
         elif not Path(self.docs_from).exists():
             raise ValueError(f"docs_from {self.docs_from} does not exist")
         if self.device != "cpu":
-            import torch
-
             if self.gradient_checkpointing:
                 # the recomputation runs in autograd's device thread, outside the mask's context
                 raise ValueError("gradient_checkpointing is for CPU runs (on a GPU, memory is not the limit)")
             if not torch.device(self.device).type == "cuda" or not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r} is not available here (use cpu, or cuda on a CUDA machine)")
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}

@@ -32,31 +32,27 @@ the same fine-tune under a sinks + window mask (``k = 0``, ``window = B - sinks`
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-import math
 import resource
-import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from ..adapters import add_lora, lora_config, save_adapter_bundle, teacher_mode
-from ..checkpoint import fingerprint_diff, load_scorer, model_fingerprint
-from ..files import atomic_write, check_writable_dir, clean_leftovers, write_json
+from .. import models
+from ..adapters import SCORER_FILE, add_lora, base_model, lora_config, save_adapter_bundle
+from ..checkpoint import load_scorer, model_fingerprint, save_scorer
+from ..files import atomic_dir, atomic_write
 from ..mask import learned_priority_fn, masked_eviction
+from ..runs import Run, cosine_schedule
 from ..train.data import Example, SequenceSource, capture_example
 from ..train.labels import labels_for, layer_loss
-from ..train.loop import _dist_setup
 from .config import AdaptConfig
+from .quality import AdaptProbe
 
-STATE_FILE = "train_state.pt"
 FULL_META_FILE = "kvpop_full.json"
 
 
@@ -79,16 +75,6 @@ def prepare_model(cfg: AdaptConfig, model):
         if id(p) not in skip:
             p.requires_grad_(True)
     return model, frozen
-
-
-@contextlib.contextmanager
-def base_model(model, frozen=None):
-    """The base model (the teacher): ``frozen`` if given, else ``model`` with its adapter off."""
-    if frozen is not None:
-        yield frozen
-    else:
-        with teacher_mode(model):
-            yield model
 
 
 def trainable(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -218,32 +204,20 @@ def scorer_step(scorer, ex: Example, ev, cfg: AdaptConfig) -> float:
 
 
 def _average_grads(params: list[torch.nn.Parameter], world: int) -> None:
+    """Average the gradients over ranks in one all-reduce (a parameter without a gradient counts as 0)."""
     if world <= 1 or not params:
         return
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = _flatten_dense_tensors(grads)
+    flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
     flat /= world
-    for p, g in zip(params, _unflatten_dense_tensors(flat, grads), strict=True):
-        p.grad = g.clone()
+    for p, g in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+        p.grad = g.view_as(p).clone()
 
 
 def _broadcast(params: list[torch.Tensor]) -> None:
     for p in params:
         dist.broadcast(p.data, 0)
-
-
-def _digest(params) -> torch.Tensor:
-    return torch.stack([p.detach().double().sum() for p in params]).sum().view(1).cpu()
-
-
-def _schedule(opt, steps: int):
-    warmup = max(1, min(20, steps // 10))
-    return torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
-    )
 
 
 def peak_rss_mib() -> float:
@@ -295,10 +269,6 @@ def save_bundle(model, scorer, path: Path, cfg: AdaptConfig, step: int, tokenize
     meta = bundle_meta(cfg, step, quality)
     if not cfg.full_finetune:
         return save_adapter_bundle(model, scorer, path, meta)
-    from ..adapters import SCORER_FILE
-    from ..checkpoint import save_scorer
-    from ..files import atomic_dir
-
     fingerprint = model_fingerprint(model)  # the scorer serves this fine-tuned model
 
     def write(tmp: Path) -> None:
@@ -315,14 +285,156 @@ def save_bundle(model, scorer, path: Path, cfg: AdaptConfig, step: int, tokenize
     return path
 
 
-def _resume_mismatch(saved: dict, now: dict) -> list[str]:
-    keys = list(dict.fromkeys([*now, *saved]))
-    return [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
-
-
 # --------------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------------
+
+
+class Adaptation:
+    """The program :class:`kvpop.runs.Run` drives: one step of the top-k KL into the trainable weights
+    (and, ``joint``, the boundary loss into the scorer), validation against the base model's dense
+    outputs, adapter bundles as checkpoints."""
+
+    def __init__(self, run: Run, cfg: AdaptConfig, model, tokenizer, scorer, blob: dict | None) -> None:
+        self.run, self.cfg, self.tokenizer, self.scorer = run, cfg, tokenizer, scorer
+        self.device = torch.device(cfg.device)
+        if run.rank == 0:
+            run.out.mkdir(parents=True, exist_ok=True)
+        self.model, self.frozen = prepare_model(cfg, model)
+        self.params = [p for _, p in trainable(self.model)]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.sched = cosine_schedule(self.opt, cfg.steps)
+        self.train_scorer = scorer is not None and cfg.joint
+        self.s_opt = self.s_sched = None
+        if self.train_scorer:
+            self.s_opt = torch.optim.AdamW(scorer.parameters(), lr=cfg.scorer_lr, weight_decay=cfg.weight_decay)
+            self.s_sched = cosine_schedule(self.s_opt, cfg.steps)
+        if cfg.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.probe, self.baseline = None, None
+        if run.rank == 0 and cfg.val_docs:
+            self.probe = AdaptProbe(self.model, tokenizer, cfg, frozen=self.frozen)
+            # where the run starts from: the base model under the mask's policy with the scorer as loaded
+            self.baseline = blob["baseline"] if blob is not None and blob.get("baseline") else \
+                self.probe.baseline(scorer)  # fmt: skip
+        self.validates = self.probe is not None
+        if blob is not None:
+            self._restore(blob)
+        if run.world > 1:  # identical starting weights on every rank
+            _broadcast(self.synced())
+        self.source = SequenceSource(cfg, tokenizer, "train")
+        self.per_rank = cfg.batch_size // run.world
+        self.obs = tuple(scorer.config.observed) if scorer is not None else ()
+        self.seconds = {"teacher": 0.0, "capture": 0.0, "student": 0.0, "scorer": 0.0}
+        self.last_quality = None
+
+    def _restore(self, blob: dict) -> None:
+        named = dict(trainable(self.model))
+        missing = set(blob["trainable"]) ^ set(named)
+        if missing:
+            raise ValueError(f"{self.run.state_file} does not match this model's trainable weights "
+                             f"({sorted(missing)[:3]} ...)")  # fmt: skip
+        with torch.no_grad():
+            for n, t in blob["trainable"].items():
+                named[n].copy_(t)
+        self.opt.load_state_dict(blob["optimizer"])
+        self.sched.load_state_dict(blob["scheduler"])
+        if self.scorer is not None:
+            self.scorer.load_state_dict(blob["scorer"])
+        if self.train_scorer:
+            self.s_opt.load_state_dict(blob["scorer_optimizer"])
+            self.s_sched.load_state_dict(blob["scorer_scheduler"])
+        self.run.restore(blob)
+
+    def synced(self) -> list[torch.Tensor]:
+        return self.params + (list(self.scorer.parameters()) if self.scorer is not None else [])
+
+    def step(self, step: int) -> dict:
+        cfg, model, scorer = self.cfg, self.model, self.scorer
+        j0 = step * cfg.batch_size + self.run.rank * self.per_rank
+        seqs = [self.source.get(j) for j in range(j0, j0 + self.per_rank)]
+        corpora = [c for c, _ in seqs]
+        ids = torch.stack([x.view(-1) for _, x in seqs]).to(self.device)
+        ev = cfg.step_eviction(step)
+        budget = ev.budget
+        self.opt.zero_grad(set_to_none=True)
+        if self.train_scorer:
+            self.s_opt.zero_grad(set_to_none=True)
+
+        t0 = time.perf_counter()
+        with base_model(model, self.frozen) as teacher:
+            t_vals, t_idx, t_lse = teacher_topk(teacher, ids, cfg.top_k, cfg.logit_chunk, cfg.temperature)
+        t1 = time.perf_counter()
+        rss = {"teacher": peak_rss_mib()}
+        ex = None
+        if self.train_scorer:
+            ex = capture_example(model, ids, [ev.window], ev.sinks, self.obs, corpora).float(self.device)
+        t2 = time.perf_counter()
+        rss["capture"] = peak_rss_mib()
+        fn = None if cfg.mask == "streaming" else learned_priority_fn(scorer, ev.window, ev.lam, sinks=ev.sinks)
+        rec = student_step(model, ids, t_vals, t_idx, t_lse, priority_fn=fn, ev=ev, cfg=cfg, budget=budget)
+        t3 = time.perf_counter()
+        rss["student"] = peak_rss_mib()
+        s_loss = scorer_step(scorer, ex, ev, cfg) if self.train_scorer else None
+        del ex
+        t4 = time.perf_counter()
+        rss["scorer"] = peak_rss_mib()
+
+        world = self.run.world
+        _average_grads(self.params, world)
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.sched.step()
+        if self.train_scorer:
+            _average_grads(list(scorer.parameters()), world)
+            torch.nn.utils.clip_grad_norm_(scorer.parameters(), 1.0)
+            self.s_opt.step()
+            self.s_sched.step()
+        if world > 1:  # the logged losses are the whole batch's (all ranks)
+            logged = torch.tensor([rec["kl"], rec["kl_evicted"], rec["kl_before_budget"], s_loss or 0.0],
+                                  dtype=torch.float64, device=self.device)  # fmt: skip
+            dist.all_reduce(logged)
+            logged = (logged / world).tolist()
+            rec = {"kl": logged[0], "kl_evicted": logged[1], "kl_before_budget": logged[2]}
+            s_loss = logged[3] if s_loss is not None else None
+        for key, dt in zip(self.seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            self.seconds[key] += dt
+        return {"step": step + 1, **rec, "scorer_loss": s_loss, "lr": self.sched.get_last_lr()[0], "budget": budget,
+                "corpora": corpora, "seconds": t4 - t0,
+                "peak_rss_mib_after": {k: round(v, 1) for k, v in rss.items()}}  # fmt: skip
+
+    def validate(self, step: int) -> dict:
+        self.last_quality = {"step": step, **self.probe(self.scorer)}
+        return self.last_quality
+
+    def describe(self, q: dict) -> str:
+        return self.probe.describe(q)
+
+    def save_best(self, step: int, q: dict) -> None:
+        save_bundle(self.model, self.scorer, self.run.out / "best", self.cfg, step, self.tokenizer, q)
+
+    def postfix(self, record: dict) -> dict[str, str]:
+        s_loss = record["scorer_loss"]
+        return {"kl": f"{record['kl']:.4f}", "s_loss": "-" if s_loss is None else f"{s_loss:.3f}"}
+
+    def checkpoint(self, step: int) -> None:
+        """``train_state.pt`` first (what a resume reads), then the bundle in ``adapter/``: a failed write
+        of either leaves a resumable run."""
+        run, train_scorer = self.run, self.train_scorer
+        state = run.state(
+            trainable={n: p.detach().cpu().clone() for n, p in trainable(self.model)},
+            optimizer=self.opt.state_dict(), scheduler=self.sched.state_dict(),
+            scorer=self.scorer.state_dict() if self.scorer is not None else None,
+            scorer_optimizer=self.s_opt.state_dict() if train_scorer else None,
+            scorer_scheduler=self.s_sched.state_dict() if train_scorer else None,
+            baseline=self.baseline,
+        )  # fmt: skip
+        try:
+            atomic_write(run.state_file, lambda tmp: torch.save(state, tmp))
+            save_bundle(self.model, self.scorer, run.out / "adapter", self.cfg, step, self.tokenizer, self.last_quality)
+        except OSError as exc:
+            raise run.write_failed(exc, step, f"{run.state_file.name} and adapter/ there are each whole (resume "
+                                   "reads the former)") from exc
 
 
 def adapt(cfg: AdaptConfig, model=None, tokenizer=None) -> dict:
@@ -332,186 +444,24 @@ def adapt(cfg: AdaptConfig, model=None, tokenizer=None) -> dict:
     it is modified in place (LoRA layers injected).
     """
     cfg.validate()
-    rank, world = _dist_setup(cfg.device)
-    if cfg.batch_size % world:
-        raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the number of processes ({world})")
-    out = Path(cfg.out)
-    state_file = out / STATE_FILE
-    blob = None
-    if state_file.exists():
-        blob = torch.load(state_file, map_location="cpu", weights_only=False)
-        diff = _resume_mismatch(blob.get("resume", {}), cfg.resume_view())
-        if diff:
-            raise ValueError(f"{out} holds a run with other settings; use another --out or the same settings ("
-                             + "; ".join(diff) + ")")  # fmt: skip
-    if rank == 0:
-        check_writable_dir(out)  # before the model loads: an unwritable --out is an error, not a traceback later
-        clean_leftovers(out)  # temporary files and folders of a killed run (an unfinished bundle swap is undone)
+    run = Run("adapt", cfg, cfg.out)
+    blob = run.saved_state()
+    run.prepare_folder()  # before the model loads: an unwritable --out is an error, not a traceback later
     if model is None:
-        from ..models import load_model
-
-        model, tokenizer = load_model(cfg.model, progress=False)
+        model, tokenizer = models.load_model(cfg.model, progress=False)
     vocab = model.get_output_embeddings().weight.shape[0]
     if cfg.top_k > vocab:
         raise ValueError(f"top_k={cfg.top_k} exceeds the vocabulary ({vocab})")
-    device = torch.device(cfg.device)
-    model = model.to(device).eval()
+    model = model.to(torch.device(cfg.device)).eval()
     fingerprint = model_fingerprint(model)
-    if blob is not None and fingerprint_diff(blob.get("fingerprint") or {}, fingerprint):
-        raise ValueError(f"{out} holds a run on a different base model; use another --out")
-
+    run.check_model(fingerprint, None if blob is None else blob.get("fingerprint") or {})
     scorer = None
     if cfg.mask == "kvpop":
         scorer, _ = load_scorer(cfg.scorer, model=model)  # refuses a scorer trained for another model
-        scorer = scorer.to(device).eval()
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    model, frozen = prepare_model(cfg, model)
-    params = [p for _, p in trainable(model)]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    sched = _schedule(opt, cfg.steps)
-    train_scorer = scorer is not None and cfg.joint
-    s_opt = s_sched = None
-    if train_scorer:
-        s_opt = torch.optim.AdamW(scorer.parameters(), lr=cfg.scorer_lr, weight_decay=cfg.weight_decay)
-        s_sched = _schedule(s_opt, cfg.steps)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-    probe, summary_extra = None, {}
-    if rank == 0 and cfg.val_docs:
-        from .quality import AdaptProbe
-
-        probe = AdaptProbe(model, tokenizer, cfg, frozen=frozen)
-        # where the run starts from: the base model under the mask's policy with the scorer as loaded
-        summary_extra["baseline"] = blob["baseline"] if blob is not None and blob.get("baseline") else \
-            probe.baseline(scorer)  # fmt: skip
-
-    step, history, best = 0, [], {"mean_retention": float("-inf"), "step": 0}
-    if blob is not None:
-        named = dict(trainable(model))
-        missing = set(blob["trainable"]) ^ set(named)
-        if missing:
-            raise ValueError(f"{state_file} does not match this model's trainable weights ({sorted(missing)[:3]} ...)")
-        with torch.no_grad():
-            for n, t in blob["trainable"].items():
-                named[n].copy_(t)
-        opt.load_state_dict(blob["optimizer"])
-        sched.load_state_dict(blob["scheduler"])
-        if scorer is not None:
-            scorer.load_state_dict(blob["scorer"])
-        if train_scorer:
-            s_opt.load_state_dict(blob["scorer_optimizer"])
-            s_sched.load_state_dict(blob["scorer_scheduler"])
-        step, history, best = blob["step"], blob["history"], blob.get("best", best)
-        if rank == 0 and cfg.progress:
-            print(f"[kvpop adapt] resuming from step {step} ({state_file})", file=sys.stderr)
-    if world > 1:  # identical starting weights on every rank
-        _broadcast(params + (list(scorer.parameters()) if scorer is not None else []))
-
-    source = SequenceSource(cfg, tokenizer, "train")
-    per_rank = cfg.batch_size // world
-    obs = tuple(scorer.config.observed) if scorer is not None else ()
-    bar = tqdm(total=cfg.steps, initial=step, disable=not (cfg.progress and rank == 0), desc=f"adapt ({cfg.mask})")
-    t_start, t_parts = time.perf_counter(), {"teacher": 0.0, "capture": 0.0, "student": 0.0, "scorer": 0.0}
-    last_quality = None
-    while step < cfg.steps:
-        j0 = step * cfg.batch_size + rank * per_rank
-        seqs = [source.get(j) for j in range(j0, j0 + per_rank)]
-        corpora = [c for c, _ in seqs]
-        ids = torch.stack([x.view(-1) for _, x in seqs]).to(device)
-        ev = cfg.step_eviction(step)
-        budget = ev.budget
-        opt.zero_grad(set_to_none=True)
-        if train_scorer:
-            s_opt.zero_grad(set_to_none=True)
-
-        t0 = time.perf_counter()
-        with base_model(model, frozen) as teacher:
-            t_vals, t_idx, t_lse = teacher_topk(teacher, ids, cfg.top_k, cfg.logit_chunk, cfg.temperature)
-        t1 = time.perf_counter()
-        rss = {"teacher": peak_rss_mib()}
-        ex = None
-        if train_scorer:
-            ex = capture_example(model, ids, [ev.window], ev.sinks, obs, corpora).float(device)
-        t2 = time.perf_counter()
-        rss["capture"] = peak_rss_mib()
-        fn = None if cfg.mask == "streaming" else learned_priority_fn(scorer, ev.window, ev.lam, sinks=ev.sinks)
-        rec = student_step(model, ids, t_vals, t_idx, t_lse, priority_fn=fn, ev=ev, cfg=cfg, budget=budget)
-        t3 = time.perf_counter()
-        rss["student"] = peak_rss_mib()
-        s_loss = scorer_step(scorer, ex, ev, cfg) if train_scorer else None
-        del ex
-        t4 = time.perf_counter()
-        rss["scorer"] = peak_rss_mib()
-
-        _average_grads(params, world)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        if train_scorer:
-            _average_grads(list(scorer.parameters()), world)
-            torch.nn.utils.clip_grad_norm_(scorer.parameters(), 1.0)
-            s_opt.step()
-            s_sched.step()
-        if world > 1:  # the logged losses are the whole batch's (all ranks)
-            logged = torch.tensor([rec["kl"], rec["kl_evicted"], rec["kl_before_budget"], s_loss or 0.0],
-                                  dtype=torch.float64, device=device)  # fmt: skip
-            dist.all_reduce(logged)
-            logged = (logged / world).tolist()
-            rec = {"kl": logged[0], "kl_evicted": logged[1], "kl_before_budget": logged[2]}
-            s_loss = logged[3] if s_loss is not None else None
-        step += 1
-        for key, dt in zip(t_parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
-            t_parts[key] += dt
-        if cfg.check_sync and world > 1:
-            d = _digest(params + (list(scorer.parameters()) if scorer is not None else []))
-            all_d = [torch.zeros_like(d) for _ in range(world)]
-            dist.all_gather(all_d, d)
-            if not all(torch.equal(all_d[0], x) for x in all_d):
-                raise RuntimeError(f"ranks diverged at step {step}: {[float(x) for x in all_d]}")
-        record = {"step": step, **rec, "scorer_loss": s_loss, "lr": sched.get_last_lr()[0], "budget": budget,
-                  "corpora": corpora, "seconds": t4 - t0,
-                  "peak_rss_mib_after": {k: round(v, 1) for k, v in rss.items()}}  # fmt: skip
-        if probe is not None and (step % cfg.val_every == 0 or step == cfg.steps):
-            q = {"step": step, **probe(scorer)}
-            record["val"] = last_quality = q
-            if q["mean_retention"] > best["mean_retention"]:
-                best = {"mean_retention": q["mean_retention"], "step": step}
-                save_bundle(model, scorer, out / "best", cfg, step, tokenizer, q)
-            bar.write(f"[kvpop adapt] step {step}: " + probe.describe(q))
-        history.append(record)
-        bar.set_postfix(kl=f"{rec['kl']:.4f}", s_loss="-" if s_loss is None else f"{s_loss:.3f}")
-        bar.update(1)
-        if rank == 0 and (step % cfg.ckpt_every == 0 or step == cfg.steps):
-            state = {
-                "trainable": {n: p.detach().cpu().clone() for n, p in trainable(model)},
-                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "scorer": scorer.state_dict() if scorer is not None else None,
-                "scorer_optimizer": s_opt.state_dict() if train_scorer else None,
-                "scorer_scheduler": s_sched.state_dict() if train_scorer else None,
-                "step": step, "history": history, "best": best, "config": asdict(cfg),
-                "resume": cfg.resume_view(), "fingerprint": fingerprint,
-                "baseline": summary_extra.get("baseline"),
-            }  # fmt: skip
-            try:  # the state (what a resume reads) first: a failed write of either leaves a resumable run
-                atomic_write(state_file, lambda tmp, state=state: torch.save(state, tmp))
-                save_bundle(model, scorer, out / "adapter", cfg, step, tokenizer, last_quality)
-            except OSError as exc:
-                raise OSError(exc.errno, f"writing the step-{step} checkpoint to {out} failed ({exc.strerror or exc}); "
-                              f"{state_file.name} and adapter/ there are each whole (resume reads the former)") from exc
-        if world > 1:
-            dist.barrier()
-        if cfg.stop_after is not None and step >= cfg.stop_after:
-            break
-    bar.close()
-    wall = time.perf_counter() - t_start
-    summary = {
-        "steps": step, "tokens_seen": step * cfg.batch_size * cfg.seq_len, "seconds_this_process": wall,
-        "seconds_by_part": t_parts, "peak_rss_mib": peak_rss_mib(), "history": history, "best": best,
-        "config": asdict(cfg), "trained_for": cfg.trained_for(), "base_fingerprint": fingerprint,
-        **summary_extra,
-    }  # fmt: skip
-    if rank == 0:
-        write_json(out / "summary.json", summary)  # strict JSON: no best retention yet is null, not -Infinity
-    return summary
+        scorer = scorer.to(cfg.device).eval()
+    program = Adaptation(run, cfg, model, tokenizer, scorer, blob)
+    run.loop(program, desc=f"adapt ({cfg.mask})")
+    extra = {"base_fingerprint": fingerprint}
+    if program.baseline is not None:
+        extra["baseline"] = program.baseline
+    return run.summary({"seconds_by_part": program.seconds, "peak_rss_mib": peak_rss_mib()}, cfg.trained_for(), extra)

@@ -21,16 +21,15 @@ from pathlib import Path
 
 import torch
 
-from ..adapters import load_adapter_bundle, read_bundle_meta
+from ..adapters import base_model, load_adapter_bundle, read_bundle_meta
 from ..cache import make_cache
 from ..checkpoint import load_scorer
 from ..config import TrainedSettings, resolve_eviction
-from ..evaluate.core import Sums, hidden_states, sums_from_hidden
 from ..policies import LearnedPolicy
+from ..quality import DocumentScore, Probe, Scores, Sums, hidden_states, score_document
 from ..train.data import SequenceSource
 from ..train.quality import VALIDATION_SEED
 from .config import AdaptConfig
-from .loop import base_model
 
 __all__ = ["AdaptProbe", "Comparison", "compare_adapted"]
 
@@ -47,15 +46,16 @@ class AdaptProbe:
         self.model, self.frozen, self.cfg = model, frozen, cfg
         n = cfg.val_docs if n_docs is None else n_docs
         source = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED)
-        self.docs = [source.get(j) for j in range(n)]
-        self._base: list[torch.Tensor | None] = [None] * n
+        self.probe = Probe([source.get(j) for j in range(n)], self._base_hidden)
 
     @torch.no_grad()
-    def base_hidden(self, i: int) -> torch.Tensor:
-        if self._base[i] is None:
-            with base_model(self.model, self.frozen) as m:
-                self._base[i] = hidden_states(m, self.docs[i][1], None)
-        return self._base[i]
+    def _base_hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        with base_model(self.model, self.frozen) as m:
+            return hidden_states(m, ids, None)
+
+    @property
+    def docs(self) -> list[tuple[str, torch.Tensor]]:
+        return self.probe.docs
 
     def _policy(self, scorer):
         return "streaming" if self.cfg.mask == "streaming" else LearnedPolicy(scorer)
@@ -64,30 +64,17 @@ class AdaptProbe:
     def _run(self, m, policy, dense: bool) -> dict:
         cfg = self.cfg
         budgets = cfg.validation_budgets()
-        tot = {b: Sums() for b in budgets}
-        tot_dense_b = {b: Sums() for b in budgets}
-        tot_dense = Sums()
-        per_doc = {b: [] for b in budgets}
-        for i, (corpus, ids) in enumerate(self.docs):
-            bh = self.base_hidden(i)
-            dh = hidden_states(m, ids, None) if dense else None
-            if dense:
-                tot_dense = tot_dense.add(sums_from_hidden(m, bh, dh, ids, 0))
-            for b in budgets:
-                ev = cfg.eviction(b)
-                cache = make_cache(m, policy, budget=b, window=ev.window, sinks=ev.sinks, lam=ev.lam)
-                s = sums_from_hidden(m, bh, hidden_states(m, ids, cache), ids, b)
-                tot[b] = tot[b].add(s)
-                per_doc[b].append({"corpus": corpus, "retention": s.metrics()["retention"]})
-                if dense:
-                    tot_dense_b[b] = tot_dense_b[b].add(sums_from_hidden(m, bh, dh, ids, b))
         out: dict = {}
         for b in budgets:
-            out[str(b)] = {**_metrics(tot[b]), "per_doc": per_doc[b]}
-            if dense:
-                out[str(b)]["dense_retention"] = tot_dense_b[b].metrics()["retention"]
+            ev = cfg.eviction(b)
+            s = self.probe.score(m, policy, b, window=ev.window, sinks=ev.sinks, lam=ev.lam)
+            per_doc = [{"corpus": c, "retention": r} for c, r in zip(s.labels, s.per_doc(), strict=True)]
+            out[str(b)] = {**_metrics(s.lm()), "per_doc": per_doc}
         if dense:
-            out["dense"] = _metrics(tot_dense)
+            d: Scores = self.probe.score(m, None, 0)  # the adapted model itself, against the base model
+            for b in budgets:
+                out[str(b)]["dense_retention"] = d.lm(start=b).retention
+            out["dense"] = _metrics(d.lm())
         mean = sum(out[str(b)]["retention"] for b in budgets) / len(budgets)
         out["mean_retention"] = mean if math.isfinite(mean) else float("-inf")
         return out
@@ -199,13 +186,14 @@ class Comparison:
         return hidden_states(self.base_model, ids.view(-1).cpu(), None)
 
     @torch.no_grad()
-    def row(self, name: str, ids: torch.Tensor, base_hidden: torch.Tensor) -> dict[int, Sums]:
-        """``{budget: Sums}`` of one row on one document, against the base model's dense outputs
-        over positions ``>= B`` (a dense row too, at each budget)."""
+    def row(self, name: str, ids: torch.Tensor, base_hidden: torch.Tensor) -> dict[int, DocumentScore]:
+        """``{budget: DocumentScore}`` of one row on one document against the base model's dense outputs
+        (:func:`kvpop.quality.score_document`: ``lm`` over positions ``>= B``, ``continuation`` over the
+        last ``S / 16`` predictions, as ``kvpop eval``'s tasks; a dense row at each budget too)."""
         ids = ids.view(-1).cpu()
         m, policy, _ = self.rows[name]
         dense = hidden_states(m, ids, None) if policy is None else None
-        out: dict[int, Sums] = {}
+        out: dict[int, DocumentScore] = {}
         for b in self.budgets:
             if policy is None:
                 ph = dense
@@ -214,11 +202,11 @@ class Comparison:
                 cache = make_cache(m, policy, budget=b, window=b - self.sinks if stream else self.windows[b],
                                    sinks=self.sinks, lam=0.0 if stream else self.lam)  # fmt: skip
                 ph = hidden_states(m, ids, cache)
-            out[b] = sums_from_hidden(self.base_model, base_hidden, ph, ids, b)
+            out[b] = score_document(self.base_model, ids, base_hidden, ph, b)
         return out
 
-    def document(self, ids: torch.Tensor) -> dict[int, dict[str, Sums]]:
-        """``{budget: {row: Sums}}`` of one document (every row, see :meth:`row`)."""
+    def document(self, ids: torch.Tensor) -> dict[int, dict[str, DocumentScore]]:
+        """``{budget: {row: DocumentScore}}`` of one document (every row, see :meth:`row`)."""
         bh = self.base_hidden(ids)
         per_row = {r: self.row(r, ids, bh) for r in self.rows}
         return {b: {r: per_row[r][b] for r in self.rows} for b in self.budgets}
@@ -233,19 +221,25 @@ def compare_adapted(base_model, bundle, docs, budgets=None, *, streaming_bundle=
     ``(label, ids)`` pairs); the other arguments as :class:`Comparison`. ``kvpop compare-adapted``
     is the resumable, splittable command over the test splits.
 
-    Returns ``{"budgets": {"B": {row: metrics (+ "per_doc")}}, "settings": {...}}``; rows:
-    ``adapted kvpop``, ``adapted streaming``, ``base kvpop``, ``base streaming``, ``adapted dense``
-    (and ``streaming+ dense`` with ``streaming_bundle``).
+    Returns ``{"budgets": {"B": {row: lm metrics + "continuation" (its metrics) + "per_doc"}},
+    "settings": {...}}``; rows: ``adapted kvpop``, ``adapted streaming``, ``base kvpop``, ``base
+    streaming``, ``adapted dense`` (and ``streaming+ dense`` with ``streaming_bundle``).
     """
     cmp = Comparison(base_model, bundle, budgets, streaming_bundle=streaming_bundle, base_scorer=base_scorer,
                      windows=windows, sinks=sinks, lam=lam, merge=merge)  # fmt: skip
     docs = [d if isinstance(d, tuple) else (f"doc{i}", d) for i, d in enumerate(docs)]
-    sums = {b: {r: Sums() for r in cmp.rows} for b in cmp.budgets}
-    per_doc = {b: {r: [] for r in cmp.rows} for b in cmp.budgets}
-    for label, ids in docs:
+    scores: dict[int, dict[str, list[DocumentScore]]] = {b: {r: [] for r in cmp.rows} for b in cmp.budgets}
+    for _, ids in docs:
         for b, rows in cmp.document(ids).items():
-            for r, s in rows.items():
-                sums[b][r] = sums[b][r].add(s)
-                per_doc[b][r].append({"doc": label, "retention": s.metrics()["retention"]})
-    result = {str(b): {r: {**_metrics(sums[b][r]), "per_doc": per_doc[b][r]} for r in cmp.rows} for b in cmp.budgets}
-    return {"budgets": result, "settings": {**cmp.settings, "docs": [label for label, _ in docs]}}
+            for r, d in rows.items():
+                scores[b][r].append(d)
+    labels = [label for label, _ in docs]
+    result = {}
+    for b in cmp.budgets:
+        result[str(b)] = {}
+        for r in cmp.rows:
+            s = Scores(labels, scores[b][r])
+            per_doc = [{"doc": label, "retention": lm, "continuation": cont}
+                       for label, lm, cont in zip(labels, s.per_doc("lm"), s.per_doc("continuation"), strict=True)]
+            result[str(b)][r] = {**_metrics(s.lm()), "continuation": _metrics(s.continuation()), "per_doc": per_doc}
+    return {"budgets": result, "settings": {**cmp.settings, "docs": labels}}

@@ -20,11 +20,17 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
+from .. import models
 from ..config import budget_of_compression
-from ..evaluate.core import Sums, doc_key
-from ..evaluate.harness import _parse_shard
+from ..evaluate import harness
 from ..evaluate.stats import bootstrap_pooled, sums_from_dict, sums_to_dict
-from ..evaluate.store import RecordStore, StoreMismatch, _atomic_write
+from ..evaluate.store import RecordStore, StoreMismatch
+from ..files import atomic_write
+from ..plotting import pyplot, save_figure
+from ..quality import Sums, doc_key, wins
+from .quality import Comparison
 
 ROW_ORDER = ("adapted kvpop", "base kvpop", "adapted streaming", "base streaming", "adapted dense", "streaming+ dense")
 LABELS = {
@@ -91,14 +97,28 @@ def _check(args) -> tuple[list[int], tuple[int, int] | None]:
         if not 0.0 < c < 1.0:
             raise ValueError(f"--compression values must be in (0, 1), got {c}")
         budgets.append(budget_of_compression(c, args.doc_tokens))
-    return budgets, _parse_shard(args.shard)
+    return budgets, harness.parse_shard(args.shard)
 
 
 # ------------------------------------------------------------------------------ aggregation
 
 
+def _entry(per: list[Sums], mine: list[Sums] | None, n_boot: int) -> dict:
+    """Pooled metrics of one row, the bootstrap interval over documents and, with ``mine`` (the same
+    documents under adapted kvpop), the per-document wins and losses of adapted kvpop against it."""
+    m = Sums.pool(per).metrics()
+    entry = {k: m[k] for k in ("retention", "kl", "top1_agreement", "n_tokens")}
+    entry["ci"] = bootstrap_pooled(per, n_boot=n_boot)
+    if mine is not None:
+        w = wins([s.retention for s in mine], [s.retention for s in per])
+        entry["subject_wins"], entry["subject_losses"] = w["wins"], w["losses"]
+    return entry
+
+
 def aggregate(records: list[dict], budgets: list[int], n_boot: int = 2000) -> dict:
-    """``{domain: {B: {row: metrics + ci + W-L of adapted kvpop vs row}}}`` from unit records."""
+    """``{domain: {B: {row: metrics + ci + W-L of adapted kvpop vs row}}}`` from unit records: ``lm``
+    (positions >= B), and under ``"continuation"`` the last S / 16 predictions when every document's
+    record has them (records of units run before compare-adapted scored the continuation do not)."""
     out: dict = {}
     for domain in DOMAINS:
         recs = [r for r in records if domain == "all" or r["domain"] == domain]
@@ -107,57 +127,62 @@ def aggregate(records: list[dict], budgets: list[int], n_boot: int = 2000) -> di
         out[domain] = {}
         for b in budgets:
             rows = [row for row in ROW_ORDER if all(row in r["sums"].get(str(b), {}) for r in recs)]
-            per = {row: [sums_from_dict(r["sums"][str(b)][row]) for r in recs] for row in rows}
             res = {}
-            for row in rows:
-                pooled = Sums()
-                for s in per[row]:
-                    pooled = pooled.add(s)
-                m = pooled.metrics()
-                entry = {k: m[k] for k in ("retention", "kl", "top1_agreement", "n_tokens")}
-                entry["ci"] = bootstrap_pooled(per[row], n_boot=n_boot)
-                entry["per_doc"] = [{"doc": f"{r['corpus']}#{r['doc']}", "retention": s.metrics()["retention"]}
-                                    for r, s in zip(recs, per[row], strict=True)]  # fmt: skip
-                if SUBJECT in per and row != SUBJECT:
-                    mine = [s.metrics()["retention"] for s in per[SUBJECT]]
-                    theirs = [s.metrics()["retention"] for s in per[row]]
-                    entry["subject_wins"] = sum(a > t for a, t in zip(mine, theirs, strict=True))
-                    entry["subject_losses"] = sum(a < t for a, t in zip(mine, theirs, strict=True))
-                res[row] = entry
+            for task, field in (("lm", "sums"), ("continuation", "continuation")):
+                have = [row for row in rows if all(row in r.get(field, {}).get(str(b), {}) for r in recs)]
+                per = {row: [sums_from_dict(r[field][str(b)][row]) for r in recs] for row in have}
+                for row in have:
+                    entry = _entry(per[row], per.get(SUBJECT) if row != SUBJECT else None, n_boot)
+                    if task == "lm":
+                        entry["per_doc"] = [{"doc": f"{r['corpus']}#{r['doc']}", "retention": s.retention}
+                                            for r, s in zip(recs, per[row], strict=True)]  # fmt: skip
+                        res[row] = entry
+                    else:
+                        res[row]["continuation"] = entry
             out[domain][str(b)] = res
         out[domain]["n_docs"] = len(recs)
     return out
 
 
 def table(results: dict) -> str:
+    """Markdown tables per domain: per budget, lm retention [95% CI], KL, adapted kvpop's W-L, and the
+    continuation's retention and W-L when the records have it."""
     lines = []
     for domain in DOMAINS:
         agg = results["aggregate"].get(domain)
         if not agg:
             continue
         budgets = [b for b in agg if b != "n_docs"]
+        cont = all("continuation" in e for b in budgets for e in agg[b].values())
+        cols = "retention [95% CI] | KL | adapted kvpop W-L" + (" | continuation | W-L" if cont else "")
         lines.append(f"### {domain.replace('_', ' ')} ({agg['n_docs']} documents)\n")
-        head = "| row | " + " | ".join(f"B = {b}: retention [95% CI] | KL | adapted kvpop W-L" for b in budgets) + " |"
-        lines += [head, "|---" * (1 + 3 * len(budgets)) + "|"]
+        head = "| row | " + " | ".join(f"B = {b}: " + cols for b in budgets) + " |"
+        lines += [head, "|---" * (1 + (5 if cont else 3) * len(budgets)) + "|"]
         for row in ROW_ORDER:
             if not all(row in agg[b] for b in budgets):
                 continue
             cells = []
             for b in budgets:
                 e = agg[b][row]
-                ci = e["ci"]["retention"]
-                cells.append(f"{e['retention']:.4f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else f"{e['retention']:.4f}")
-                cells.append(f"{e['kl']:.4f}")
-                cells.append(f"{e['subject_wins']}-{e['subject_losses']}" if "subject_wins" in e else "-")
+                cells += [_retention_ci(e), f"{e['kl']:.4f}", _wl(e)]
+                if cont:
+                    cells += [_retention_ci(e["continuation"]), _wl(e["continuation"])]
             lines.append(f"| {LABELS[row]} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
 
-def plot(results: dict, path: Path) -> Path:
-    from ..evaluate.plots import _plt, _save
+def _retention_ci(e: dict) -> str:
+    ci = e["ci"]["retention"]
+    return f"{e['retention']:.4f} [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else f"{e['retention']:.4f}"
 
-    plt = _plt()
+
+def _wl(e: dict) -> str:
+    return f"{e['subject_wins']}-{e['subject_losses']}" if "subject_wins" in e else "-"
+
+
+def plot(results: dict, path: Path) -> Path:
+    plt = pyplot()
     domains = [d for d in DOMAINS if d in results["aggregate"]]
     fig, axes = plt.subplots(1, len(domains), figsize=(5.2 * len(domains), 4.2), squeeze=False)
     cmap = plt.get_cmap("tab10")
@@ -182,7 +207,7 @@ def plot(results: dict, path: Path) -> Path:
     axes[0][0].legend(fontsize=7, loc="lower left")
     fig.suptitle(f"LLM adaptation under the bounded cache ({results['settings']['doc_tokens']} tokens)")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path, dpi=90)
     return path
 
 
@@ -195,8 +220,9 @@ def _current(store: RecordStore, keys: dict[str, tuple]) -> list[dict]:
             continue
         d = docs.setdefault((domain, corpus, j), {"domain": domain, "corpus": corpus, "doc": j, "sums": {},
                                                   "wall_s": 0.0})  # fmt: skip
-        for b, sums in rec["sums"].items():
-            d["sums"].setdefault(b, {})[row] = sums
+        for field in ("sums", "continuation"):
+            for b, sums in rec.get(field, {}).items():
+                d.setdefault(field, {}).setdefault(b, {})[row] = sums
         d["wall_s"] += rec["wall_s"]
     return sorted(docs.values(), key=lambda r: (r["domain"], r["corpus"], r["doc"]))
 
@@ -204,7 +230,8 @@ def _current(store: RecordStore, keys: dict[str, tuple]) -> list[dict]:
 def write(records: list[dict], budgets: list[int], settings: dict, out: Path) -> dict:
     results = {"settings": settings, "aggregate": aggregate(records, budgets), "documents": records,
                "wall_seconds_total": sum(r["wall_s"] for r in records)}  # fmt: skip
-    _atomic_write(out / "results.json", json.dumps(results, indent=1, allow_nan=True) + "\n")
+    text = json.dumps(results, indent=1, allow_nan=True) + "\n"
+    atomic_write(out / "results.json", lambda tmp: Path(tmp).write_text(text))
     (out / "table.md").write_text(table(results) + "\n")
     if results["aggregate"]:
         plot(results, out / "adapt.png")
@@ -218,18 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"kvpop compare-adapted: error: {exc}", file=sys.stderr)
         return 2
-    from tqdm.auto import tqdm
-
-    from ..evaluate.harness import EvalConfig, corpus_documents
-    from ..models import load_model
-    from .quality import Comparison
-
-    model, tokenizer = load_model(args.model, progress=not args.no_progress)
+    model, tokenizer = models.load_model(args.model, progress=not args.no_progress)
     cmp = Comparison(model, args.bundle, budgets, streaming_bundle=args.streaming_bundle,
                      base_scorer=args.base_scorer, merge=args.merge)  # fmt: skip
     notes: list[str] = []
-    ecfg = EvalConfig(docs=args.docs, doc_tokens=args.doc_tokens, corpora=tuple(args.corpora) if args.corpora else None)
-    items = [(domain, corpus, j, ids) for domain, corpus, docs in corpus_documents(tokenizer, ecfg, notes)
+    ecfg = harness.EvalConfig(docs=args.docs, doc_tokens=args.doc_tokens, corpora=tuple(args.corpora) if args.corpora else None)
+    items = [(domain, corpus, j, ids) for domain, corpus, docs in harness.corpus_documents(tokenizer, ecfg, notes)
              for j, ids in enumerate(docs)]  # fmt: skip
     shas = {r: ("base" if src is None else _sha(src)) for r, (_, _, src) in cmp.rows.items()}
     settings = {
@@ -264,9 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         shared = time.perf_counter() - t0  # the base model's dense pass, charged to the document's first row
         for r in rs:
             t0 = time.perf_counter()
-            sums = cmp.row(r, ids, bh)
+            scores = cmp.row(r, ids, bh)
             store.append({"key": key(corpus, j, ids, r), "domain": domain, "corpus": corpus, "doc": j, "row": r,
-                          "sums": {str(b): sums_to_dict(s) for b, s in sums.items()},
+                          "sums": {str(b): sums_to_dict(s.lm) for b, s in scores.items()},
+                          "continuation": {str(b): sums_to_dict(s.continuation) for b, s in scores.items()},
                           "wall_s": time.perf_counter() - t0 + shared})  # fmt: skip
             shared = 0.0
             bar.update(1)

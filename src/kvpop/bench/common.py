@@ -9,6 +9,10 @@ import statistics
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache, StaticCache
+
+from .. import data
+from ..cache import make_cache
 
 
 def rss_bytes() -> int:
@@ -42,10 +46,6 @@ def cache_for_spec(model, spec: str):
     read), a ``StaticCache`` of ``B`` slots for ``floor@B`` (the physical floor: attention over ``B``
     slots, no scoring, no eviction; it holds at most ``B`` tokens), else :func:`kvpop.make_cache`
     with that policy and budget."""
-    from transformers import DynamicCache, StaticCache
-
-    from .. import make_cache
-
     name, budget = parse_policy(spec)
     if name == "dense":
         return DynamicCache(config=model.config)
@@ -63,8 +63,6 @@ def kv_bytes(cache) -> int:
 
 def text_ids(tokenizer, n: int) -> torch.Tensor:
     """``n`` token ids of real text (Python docs, else the CPython stdlib), ``[1, n]``."""
-    from .. import data
-
     for corpus in ("python_docs", "python_code", "shakespeare"):
         try:
             docs = data.long_documents(tokenizer, corpus, n, split="test", max_docs=1, concat=True)

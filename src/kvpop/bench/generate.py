@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from .. import models
+from ..options import load_model_quietly
+from ..plotting import pyplot, save_figure
 from .common import cache_for_spec, kv_bytes, median, parse_policy, peak_rss_bytes, rss_bytes, text_ids, write_json
 
 DEFAULT_POLICIES = "dense,floor@512,streaming@512,kvpop@512,kvpop@512+compile,kvpop-mlp@512+compile"
@@ -28,11 +31,9 @@ DEFAULT_POLICIES = "dense,floor@512,streaming@512,kvpop@512,kvpop@512+compile,kv
 
 @torch.no_grad()
 def run_one(spec: str, lengths: list[int], decode_steps: int, mode: str, model_path: str | None, threads: int | None) -> dict:
-    from .. import load_model
-
     if threads:
         torch.set_num_threads(threads)
-    model, tok = load_model(model_path, progress=False)
+    model, tok = models.load_model(model_path, progress=False)
     total = max(lengths) + decode_steps * len(lengths) + 1
     ids = text_ids(tok, total)
     cache = cache_for_spec(model, spec)
@@ -82,11 +83,7 @@ def run_one(spec: str, lengths: list[int], decode_steps: int, mode: str, model_p
 
 
 def plot(results: dict, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for r in results["runs"]:
         xs = [row["length"] for row in r["rows"]]
@@ -106,7 +103,7 @@ def plot(results: dict, out: Path) -> Path:
     axes[0].legend()
     fig.suptitle(f"kvpop bench generate ({results['model']}, mode={results['mode']})")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out, dpi=110)
     return out
 
 
@@ -125,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     if args._worker:
         print(json.dumps(run_one(args._worker, lengths, args.decode_steps, args.mode, args.model, args.threads)))
         return 0
-    from ..cli import load_model_quietly
-
     model, _ = load_model_quietly(args.model)  # validates the model and converts it once, up front
     limit = model.config.max_position_embeddings
     need = max(lengths) + args.decode_steps * len(lengths) + 1

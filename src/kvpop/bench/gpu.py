@@ -27,6 +27,7 @@ Runs on the CPU too, at small sizes (the tests do), where the flex rows are skip
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -39,7 +40,16 @@ import traceback
 from pathlib import Path
 
 import torch
+import transformers
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
+from ..cache import make_cache
+from ..checkpoint import default_scorer_path, load_scorer
+from ..plotting import pyplot, save_figure
+from ..policies import LearnedPolicy
+from ..rope import RopeSpec
+from ..scorers import build_scorer
+from ..targets import future_attention
 from .common import write_json
 
 SMOLLM2_135M = {  # the embedded model's architecture (its config.json, without the weights)
@@ -85,8 +95,6 @@ def _agreement(x: torch.Tensor, ref: torch.Tensor) -> dict:
 
 def _target_runs(q, k, v, device: torch.device, w: int, scale: float) -> dict:
     """name -> (call, device it runs on): the unit (SDPA) and each way of doing the target pass."""
-    from ..targets import future_attention
-
     qd, kd, vd = q.to(device), k.to(device), v.to(device)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     return {
@@ -105,8 +113,6 @@ def targets_part(sizes, device: torch.device, *, window: int = 256, q_heads: int
                  reps: int = 10, budget_s: float = 20.0, cpu_threads: int | None = None,
                  dense_max_gb: float = 48.0, log=print) -> list[dict]:
     """One row per (S, method); see the module doc."""
-    from ..targets import future_attention
-
     rows: list[dict] = []
     cuda = device.type == "cuda"
     if cuda:  # each (S, dtype, pass) is a new flex graph: leave room above dynamo's default of 8
@@ -192,10 +198,7 @@ def parity_part(device: torch.device, *, policies=PARITY_POLICIES, budget: int =
     """The same tiny float32 model and policy on the CPU and on ``device`` (eager and compiled):
     a prompt, then ``steps`` decode steps; the largest logit difference against the CPU run and
     the share of cache slots that hold the same token at the end (near-ties may flip)."""
-    import copy
-
-    from .. import make_cache
-    from ..testing import random_learned_policy, tiny_model
+    from ..testing import random_learned_policy, tiny_model  # test scaffolding: kept out of the CLI's imports
 
     base = tiny_model("llama", num_hidden_layers=3, max_position_embeddings=1024)
     gen = torch.Generator().manual_seed(5)
@@ -239,8 +242,6 @@ def parity_part(device: torch.device, *, policies=PARITY_POLICIES, budget: int =
 
 def random_model(device: torch.device, dtype: torch.dtype, max_positions: int, **overrides):
     """A random-weight LlamaForCausalLM of the embedded model's architecture."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     cfg = LlamaConfig(**{**SMOLLM2_135M, **overrides}, max_position_embeddings=max_positions)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -253,11 +254,6 @@ def shipped_like_policy(model, kind: str):
     """A learned policy with the shipped scorer's architecture for ``model``: the shipped scorer
     itself when the shapes match (no fingerprint check: the weights here are random), else a
     seeded random init of its configuration (a step's cost is the same)."""
-    from ..checkpoint import default_scorer_path, load_scorer
-    from ..policies import LearnedPolicy
-    from ..rope import RopeSpec
-    from ..scorers import build_scorer
-
     path = default_scorer_path(kind)
     scorer, meta = load_scorer(path)
     text = model.config
@@ -272,10 +268,6 @@ def shipped_like_policy(model, kind: str):
 
 
 def _make_cache(model, row: str, budget: int, length: int):
-    from transformers import DynamicCache, StaticCache
-
-    from .. import make_cache
-
     if row == "floor":
         return StaticCache(config=model.config, max_cache_len=budget)
     if row == "dense":
@@ -377,11 +369,7 @@ def _format_decode(res: dict) -> str:
 
 def plot(result: dict, out: Path) -> Path:
     """Decode step against the context (one panel per batch run) and the target pass's times."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     dec = result.get("decode") or []
     tg = [r for r in result.get("targets") or [] if r.get("time_s") and "reference" not in r["method"]]
     panels = [p for p, has in (("decode", dec), ("targets", tg)) if has]
@@ -413,8 +401,7 @@ def plot(result: dict, out: Path) -> Path:
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = out.with_suffix(".png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return path
 
 
@@ -453,8 +440,6 @@ def main(argv: list[str] | None = None) -> int:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "cpu_count": os.cpu_count(), "options": vars(a), "targets": [], "decode": [],
     }
-    import transformers
-
     result["transformers"] = transformers.__version__
     t_start = time.perf_counter()
 

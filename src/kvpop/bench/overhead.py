@@ -23,16 +23,18 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
+from transformers import DynamicCache, StaticCache
 
+from ..cache import make_cache
+from ..options import load_model_quietly
+from ..plotting import pyplot, save_figure
+from ..policies import POLICIES, get_policy, policy_names
 from .common import median, text_ids, write_json
 
 
 def _plot(result: dict, out: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [r for r in result["rows"] if r["name"] not in ("floor", "dense")]
     fig, ax = plt.subplots(figsize=(9, 4.2))
     names = [r["name"] for r in rows]
@@ -49,8 +51,7 @@ def _plot(result: dict, out: Path) -> Path:
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     path = out.with_suffix(".png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return path
 
 
@@ -69,16 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results/bench_overhead")
     args = p.parse_args(argv)
-    from transformers import DynamicCache, StaticCache
-
-    from .. import POLICIES, make_cache, policy_names
-    from ..cli import load_model_quietly
-
     names = [n for n in (args.policies or ",".join(policy_names(dense=False, teacher_forced=False))).split(",") if n]
     unknown = [n for n in names if n not in POLICIES]
     if args.compile == "all":
-        from ..policies import get_policy
-
         compiled = [n for n in names if n not in unknown and get_policy(n).uses_long_range]
     else:
         compiled = [n for n in args.compile.split(",") if n]
@@ -123,8 +117,6 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = {"cache": cache, "pos": args.context + 1, "first_s": first}
     for r in rows.values():
         r["times"] = []
-    from tqdm import tqdm
-
     for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
         for r in rows.values():
             for _ in range(args.steps):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..options import load_model_quietly
 from .common import cache_for_spec, median, text_ids, write_json
 
 
@@ -30,7 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results/bench_prefill")
     args = p.parse_args(argv)
-    from ..cli import load_model_quietly
 
     model, tok = load_model_quietly(args.model)
     ids = text_ids(tok, args.length)

@@ -40,6 +40,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from ..targets import future_attention, row_lse
+
 DEFAULT_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 METHODS = ("sdpa", "fused", "fused+lse", "blocked", "dense")
 
@@ -56,10 +60,6 @@ def _maxrss_bytes() -> int:
 
 def _worker(spec: dict) -> dict:
     """Subprocess body.  ``spec["mode"]``: ``"memory"`` (one method) or ``"time"`` (all listed)."""
-    import torch
-
-    from kvpop.targets import future_attention, row_lse
-
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     dtype = getattr(torch, spec["dtype"])
@@ -152,8 +152,6 @@ def run(
     """Time and measure the target pass for each ``S``; returns (and writes to ``out``) a dict
     ``{"config", "memory", "time", "host", "results": [{"S", "method", "time_s",
     "time_median_s", "ratio_to_sdpa", "peak_extra_bytes", ...} | {"S", "method", "skipped"}]}``."""
-    import torch
-
     for m in methods:
         if m not in METHODS:
             raise ValueError(f"unknown method {m!r}; expected one of {METHODS}")

@@ -8,44 +8,27 @@ Python API::
     m = teacher_forced(model, ids, "knorm", EvictionConfig.from_budget(512))   # one document, metrics over positions >= B
     results = run_eval(model, tok, EvalConfig(tasks=("lm",)), documents={"mine": [ids]}, out="runs/x")
 
+The measurement itself (one forward under the cache, scored against the dense forward) is
+:mod:`kvpop.quality`, the probe that training and adaptation use too.
+
 CLI: ``kvpop eval ...`` (see :mod:`kvpop.evaluate.cli`).
 """
 
-from .core import (
-    ALL_POLICIES,
-    DENSE,
-    DenseCache,
-    PolicyUnavailable,
-    Sums,
-    make_policy,
-    policy_available,
-    policy_cache,
-    sums_from_logits,
-    teacher_forced,
-)
+from ..quality import DenseCache, Sums, sums_from_logits
+from .core import ALL_POLICIES, DENSE, PolicyUnavailable, build_cache, policy_available, teacher_forced
 from .harness import (
-    IN_DOMAIN,
     EvalConfig,
     build_results,
     check_policies,
     merge,
     quick_config,
     run_eval,
+    shipped_training_corpora,
     table,
     write_results,
 )
 from .stats import aggregate, bootstrap_mean, bootstrap_pooled
-from .tasks import (
-    DEFAULT_TASKS,
-    TASKS,
-    agreement_doc,
-    continuation_doc,
-    greedy,
-    lm_doc,
-    multikey_cases,
-    needle_case,
-    needle_cases,
-)
+from .tasks import DEFAULT_TASKS, TASKS, greedy, multikey_cases, needle_cases
 
 __all__ = [
     "ALL_POLICIES",
@@ -58,25 +41,27 @@ __all__ = [
     "PolicyUnavailable",
     "Sums",
     "aggregate",
-    "agreement_doc",
     "bootstrap_mean",
     "bootstrap_pooled",
+    "build_cache",
     "build_results",
     "check_policies",
-    "continuation_doc",
     "greedy",
-    "lm_doc",
-    "make_policy",
     "merge",
     "multikey_cases",
-    "needle_case",
     "needle_cases",
     "policy_available",
-    "policy_cache",
     "quick_config",
     "run_eval",
+    "shipped_training_corpora",
     "sums_from_logits",
     "table",
     "teacher_forced",
     "write_results",
 ]
+
+
+def __getattr__(name: str):
+    if name == "IN_DOMAIN":  # read on first use, not at import (kvpop.evaluate.harness.shipped_training_corpora)
+        return shipped_training_corpora()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,8 +11,9 @@ import argparse
 import sys
 import time
 
+from ..options import load_model_quietly, policy_for_scorer
 from .core import ALL_POLICIES, PolicyUnavailable
-from .harness import EvalConfig, merge, quick_config, run_eval, table, unit_filter, user_documents
+from .harness import EvalConfig, merge, parse_shard, quick_config, run_eval, table, unit_filter, user_documents
 from .store import StoreMismatch
 from .tasks import DEFAULT_TASKS, TASKS, TEXT_TASKS
 
@@ -109,8 +110,6 @@ def config_from_args(args) -> EvalConfig:
     if getattr(args, "skip_unavailable", False):
         over["skip_unavailable"] = True
     if args.scorer:
-        from ..cli import policy_for_scorer
-
         kw: dict = {}
         for path in args.scorer:
             name = policy_for_scorer(path)
@@ -150,13 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_from_args(args)
         cfg.budgets()  # validate before loading anything
         if args.shard:
-            from .harness import _parse_shard
-
-            _parse_shard(args.shard)
+            parse_shard(args.shard)
     except (TypeError, ValueError, OSError) as exc:
         return _err(str(exc))
-    from ..cli import load_model_quietly
-
     model, tokenizer = load_model_quietly(args.model)
     documents = filler = None
     notes: list[str] = []

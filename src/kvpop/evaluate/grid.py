@@ -15,20 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .core import (
-    DENSE,
-    ORACLE,
-    build_cache,
-    dense_logprobs,
-    doc_key,
-    hidden_states,
-    nll_positions,
-    oracle_targets_multi,
-    oracle_window,
-    position_stats,
-    sums_over,
-    window_only_hidden,
-)
+from ..quality import continuation_start, dense_logprobs, doc_key, hidden_states, lm_start, score_document
+from .core import DENSE, ORACLE, build_cache, nll_positions, oracle_targets_multi, oracle_window, window_only_hidden
 from .stats import sums_to_dict
 from .store import unit_key
 from .tasks import agreement_result, greedy, multikey_result, needle_result
@@ -262,20 +250,20 @@ class ItemContext:
         return rec
 
     def _doc(self, cache, budget: int) -> dict:
+        """``lm`` and ``continuation`` of the probe (:func:`kvpop.quality.score_document`), each over all
+        its positions and over the long-dependency tokens (where the full context beats the window-only
+        run by more than the threshold)."""
         ids = self.item.ids
         S = ids.numel()
-        hi = S - 1
-        lo_all = budget if budget < hi else 0  # positions >= B: the cache has had to evict
-        lo_cont = max(0, hi - self.s.continuation_tokens)
-        lo = min(lo_all, lo_cont)
         dh = self.dense_hidden()
         ph = dh if cache is None else hidden_states(self.model, ids, cache)
-        first, logp = self.dense_logp(lo, hi)
-        st = position_stats(self.model, dh, ph, ids, lo, hi, dense_logp=logp, dense_lo=first)
-        pos = torch.arange(lo, hi)
-        gain = self.window_nll(budget)[lo:hi] - st["nll_dense"]
+        lo_all, lo_cont = lm_start(S, budget), continuation_start(S, self.s.continuation_tokens)
+        first, logp = self.dense_logp(min(lo_all, lo_cont), S - 1)
+        doc = score_document(self.model, ids, dh, ph, budget, self.s.continuation_tokens, dense_logp=logp,
+                             dense_lo=first)  # fmt: skip
+        gain = self.window_nll(budget)[doc.lo : S - 1] - doc.stats["nll_dense"]
         longdep = gain > self.s.longdep_threshold
-        m_all, m_cont = pos >= lo_all, pos >= lo_cont
-        sums = {"all": m_all, "longdep": m_all & longdep, "cont": m_cont, "cont_longdep": m_cont & longdep}
-        return {"scored_from": lo_all, "continuation_from": lo_cont, "longdep_threshold": self.s.longdep_threshold,
-                "sums": {k: sums_to_dict(sums_over(st, m)) for k, m in sums.items()}}  # fmt: skip
+        sums = {"all": doc.sums(doc.lm_from), "longdep": doc.sums(doc.lm_from, longdep),
+                "cont": doc.sums(doc.continuation_from), "cont_longdep": doc.sums(doc.continuation_from, longdep)}
+        return {"scored_from": doc.lm_from, "continuation_from": doc.continuation_from,
+                "longdep_threshold": self.s.longdep_threshold, "sums": {k: sums_to_dict(v) for k, v in sums.items()}}

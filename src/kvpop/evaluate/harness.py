@@ -21,6 +21,7 @@ cost); :func:`merge` combines folders. ``results.json`` is always rebuilt from a
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import math
 import os
@@ -31,19 +32,25 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
+from ..checkpoint import DEFAULT_SCORERS, read_header
 from ..config import EvictionConfig, budget_of_compression
+from ..data import list_corpora, load_documents, long_documents, read_user_documents
+from ..policies import KIND_TO_POLICY
 from .core import ALL_POLICIES, DENSE, ORACLE, PolicyUnavailable, build_cache, policy_available
 from .grid import Item, ItemContext, Settings, item_cost, partition, resolve_window, units_of
+from .plots import plot_results
+from .report import markdown_report, text_table
 from .stats import aggregate
 from .store import RecordStore, load_dirs, unit_key
 from .tasks import DEFAULT_TASKS, TASKS, TEXT_TASKS, multikey_cases, needle_cases
 
 
-def _shipped_training_corpora() -> tuple[str, ...]:
-    """The corpora the shipped scorers were trained on (read from their checkpoints; () if none can be read)."""
-    from ..checkpoint import DEFAULT_SCORERS, read_header
-
+@functools.cache
+def shipped_training_corpora() -> tuple[str, ...]:
+    """The corpora the shipped scorers were trained on (read from their checkpoints on first use; () if
+    none can be read): what a run's domains default to (a run labels them by :func:`in_domain_corpora`)."""
     for path in DEFAULT_SCORERS.values():
         try:
             corpora = read_header(path).get("meta", {}).get("corpora")
@@ -54,9 +61,14 @@ def _shipped_training_corpora() -> tuple[str, ...]:
     return ()
 
 
-IN_DOMAIN = _shipped_training_corpora()  # the shipped scorers'; a run labels domains by in_domain_corpora
 RESUME_HINT = "rerun the same command to continue"  # ends a session's note when it stopped with units left
 SCHEMA_VERSION = 2
+
+
+def __getattr__(name: str):
+    if name == "IN_DOMAIN":  # the shipped scorers' training corpora, read on first use (not at import)
+        return shipped_training_corpora()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -131,8 +143,6 @@ def scorer_corpora(model, policy: str, kwargs: dict) -> tuple[tuple[str, ...] | 
     """``(corpora, source)``: what the scorer that learned ``policy`` runs on ``model`` was trained on
     (None: it does not say), found the way the policy factory finds the scorer: ``path=`` a
     checkpoint, else the scorer of the adapter bundle ``model`` was loaded with, else the shipped one."""
-    from ..checkpoint import DEFAULT_SCORERS, read_header
-    from ..policies.learned import KIND_TO_POLICY
 
     if kwargs.get("scorer") is not None:
         return None, "a scorer given in memory"
@@ -180,9 +190,8 @@ def _domain(corpus: str, in_domain: tuple[str, ...]) -> str:
 def corpus_documents(tokenizer, cfg: EvalConfig, notes: list[str],
                      in_domain: tuple[str, ...] | None = None) -> list[tuple[str, str, list[Tensor]]]:  # fmt: skip
     """``[(domain, corpus, [ids...])]`` from the test splits of the corpora (in domain: ``in_domain``,
-    by default the shipped scorers' corpora, :data:`IN_DOMAIN`)."""
-    in_domain = IN_DOMAIN if in_domain is None else tuple(in_domain)
-    from ..data import list_corpora, long_documents
+    by default the shipped scorers' corpora, :func:`shipped_training_corpora`)."""
+    in_domain = shipped_training_corpora() if in_domain is None else tuple(in_domain)
 
     out = []
     for name in cfg.corpora or list_corpora(evaluation_only=True):
@@ -203,7 +212,6 @@ def corpus_documents(tokenizer, cfg: EvalConfig, notes: list[str],
 
 def user_documents(tokenizer, path, cfg: EvalConfig) -> tuple[list[Tensor], str]:
     """Token ids of the user's documents (folder of .txt or .jsonl), and their joined text (filler)."""
-    from ..data import long_documents, read_user_documents
 
     docs = read_user_documents(path)
     ids = long_documents(tokenizer, docs, cfg.doc_tokens, max_docs=cfg.docs, concat=False)
@@ -214,7 +222,6 @@ def user_documents(tokenizer, path, cfg: EvalConfig) -> tuple[list[Tensor], str]
 
 def default_filler(cfg: EvalConfig) -> str:
     """Paul Graham essays (test split first, then the others) as needle / multi-key filler."""
-    from ..data import load_documents
 
     root = (cfg.corpus_root or {}).get("paul_graham")
     texts = []
@@ -323,7 +330,7 @@ def fingerprint(model, cfg: EvalConfig) -> dict:
     }
 
 
-def _parse_shard(shard) -> tuple[int, int] | None:
+def parse_shard(shard) -> tuple[int, int] | None:
     if shard is None:
         return None
     if isinstance(shard, str):
@@ -362,13 +369,11 @@ def run_eval(
     ``max_units`` / ``time_limit_s``: stop early (after the unit in progress); rerun to continue.
     ``dry_run``: run nothing; return the plan (items, units, done, estimated CPU hours per shard).
     """
-    from tqdm.auto import tqdm
-
     cfg = cfg or EvalConfig()
     for t in cfg.tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; tasks: {', '.join(TASKS)}")
-    shard = _parse_shard(shard)
+    shard = parse_shard(shard)
     budgets = [b.budget for b in cfg.budgets()]
     t_start = time.perf_counter()
     started = _dt.datetime.now().isoformat(timespec="seconds")
@@ -593,15 +598,11 @@ def write_results(results: dict, out: str | Path, plots: bool = True) -> Path:
         tmp.write_text(json.dumps(results, indent=1, allow_nan=False, default=str))
         tmp.replace(path)
 
-    from .report import markdown_report
-
     md = out / f".table.md.{os.getpid()}.tmp"
     md.write_text(markdown_report(results))
     md.replace(out / "table.md")
     dump()
     if plots:
-        from .plots import plot_results
-
         try:
             results["plots"] = sorted(p.name for p in plot_results(results, out))
         except Exception as exc:  # noqa: BLE001 - the numbers matter more than the pictures
@@ -612,6 +613,4 @@ def write_results(results: dict, out: str | Path, plots: bool = True) -> Path:
 
 
 def table(results: dict) -> str:
-    from .report import text_table
-
     return text_table(results)

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from ..plotting import pyplot, save_figure
+
 PRIMARY = {"lm": "retention", "continuation": "retention", "needle": "accuracy", "multikey": "accuracy",
            "agreement": "match_rate"}  # fmt: skip
 LABEL = {
@@ -21,27 +25,8 @@ LABEL = {
 }
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> None:
-    """Write through a temporary file (processes sharing an output folder may finish together)."""
-    import os
-
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.png")
-    fig.savefig(tmp, dpi=90)
-    _plt().close(fig)
-    os.replace(tmp, path)
-
-
 def _colors(policies):
-    plt = _plt()
+    plt = pyplot()
     cmap = plt.get_cmap("tab10")
     return {p: cmap(i % 10) for i, p in enumerate(policies)}
 
@@ -71,7 +56,7 @@ def _curve(ax, recs, getter, colors, order):
 
 
 def _doc_plot(task, recs, out, colors, order):
-    plt = _plt()
+    plt = pyplot()
     domains = sorted({r["domain"] for r in recs})
     fig, axes = plt.subplots(2, len(domains), figsize=(5.5 * len(domains), 8), squeeze=False)
     for j, dom in enumerate(domains):
@@ -93,12 +78,12 @@ def _doc_plot(task, recs, out, colors, order):
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     path = out / f"{task}.png"
-    _save(fig, path)
+    save_figure(fig, path, dpi=90)
     return path
 
 
 def _simple_plot(task, recs, out, colors, order, name=None):
-    plt = _plt()
+    plt = pyplot()
     metric = PRIMARY[task]
     domains = sorted({r["domain"] for r in recs})
     fig, axes = plt.subplots(1, len(domains), figsize=(5.5 * len(domains), 4), squeeze=False)
@@ -110,12 +95,12 @@ def _simple_plot(task, recs, out, colors, order, name=None):
         ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / (name or f"{task}.png")
-    _save(fig, path)
+    save_figure(fig, path, dpi=90)
     return path
 
 
 def _multikey_plot(recs, out, colors, order):
-    plt = _plt()
+    plt = pyplot()
     budgets = sorted({r["budget"] for r in recs if r["budget"] is not None}, reverse=True)
     comps = {r["budget"]: r["compression"] for r in recs}
     fig, axes = plt.subplots(1, max(1, len(budgets)), figsize=(5 * max(1, len(budgets)), 4), squeeze=False)
@@ -134,14 +119,12 @@ def _multikey_plot(recs, out, colors, order):
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     path = out / "multikey.png"
-    _save(fig, path)
+    save_figure(fig, path, dpi=90)
     return path
 
 
 def _needle_heatmap(recs, out, order):
-    import numpy as np
-
-    plt = _plt()
+    plt = pyplot()
     budgets = sorted({r["budget"] for r in recs if r["budget"] is not None}, reverse=True)
     policies = [p for p in order if any(r["policy"] == p for r in recs)]
     policies += sorted({r["policy"] for r in recs} - set(policies))
@@ -173,7 +156,7 @@ def _needle_heatmap(recs, out, order):
     fig.suptitle("passkey found (green) by prompt length x depth, per policy and compression", fontsize=9)
     fig.tight_layout()
     path = out / "needle_heatmap.png"
-    _save(fig, path)
+    save_figure(fig, path, dpi=90)
     return path
 
 

@@ -63,13 +63,19 @@ def _by(rows, *keys):
     return out
 
 
-def _doc_tables(task: str, rows: list[dict]) -> list[str]:
-    lines = []
+def _domains(rows: list[dict]):
+    """``(budgets, compression per budget, [(domain, its rows, {(policy, budget): row}, policies)])``."""
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, reverse=True)
     comps = {r["budget"]: r["compression"] for r in rows}
-    for (domain,), recs in sorted(_by(rows, "domain").items()):
-        cell = {(r["policy"], r["budget"]): r for r in recs}
-        policies = list(dict.fromkeys(r["policy"] for r in recs))
+    per = [(domain, recs, {(r["policy"], r["budget"]): r for r in recs}, list(dict.fromkeys(r["policy"] for r in recs)))
+           for (domain,), recs in sorted(_by(rows, "domain").items())]  # fmt: skip
+    return budgets, comps, per
+
+
+def _doc_tables(task: str, rows: list[dict]) -> list[str]:
+    lines = []
+    budgets, comps, per = _domains(rows)
+    for domain, recs, cell, policies in per:
         head = ["policy"]
         for b in budgets:
             c = f"{comps[b]:.4g}"
@@ -106,11 +112,8 @@ DENSE_NAME = "dense"
 
 def _choice_tables(task: str, rows: list[dict]) -> list[str]:
     lines = []
-    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, reverse=True)
-    comps = {r["budget"]: r["compression"] for r in rows}
-    for (domain,), recs in sorted(_by(rows, "domain").items()):
-        cell = {(r["policy"], r["budget"]): r for r in recs}
-        policies = list(dict.fromkeys(r["policy"] for r in recs))
+    budgets, comps, per = _domains(rows)
+    for domain, recs, cell, policies in per:
         lengths = sorted({int(L) for r in recs for L in r.get("by_length", {})})
         head = ["policy"] + [f"{comps[b]:.4g} (B={b})" for b in budgets]
         lines += [(f"**{LABEL[task]} — {domain}** (accuracy over {recs[0]['n_items']} cases [95% bootstrap CI]; "

@@ -10,12 +10,12 @@ is the same), correct where streaming is wrong / the reverse.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 
 import numpy as np
 
-from .core import DENSE, Sums
+from ..policies import DENSE
+from ..quality import Sums, compare, tally
 
 REFERENCE = "streaming"
 TASK_ORDER = ("lm", "continuation", "needle", "multikey", "agreement")
@@ -78,23 +78,6 @@ def bootstrap_mean(values: list[float], n_boot: int = 2000, seed: int = 0) -> li
     return _interval(_resample_counts(len(v), n_boot, seed) @ v / len(v))
 
 
-# ------------------------------------------------------------------------------ wins
-
-
-def compare(a: float | None, b: float | None, tol: float = 1e-9) -> int | None:
-    """+1 if ``a`` is better (higher) than ``b``, -1 if worse, 0 if equal within ``tol`` (relative)."""
-    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
-        return None
-    if abs(a - b) <= tol * max(1.0, abs(a), abs(b)):
-        return 0
-    return 1 if a > b else -1
-
-
-def count(outcomes: list[int | None]) -> dict:
-    o = [x for x in outcomes if x is not None]
-    return {"wins": o.count(1), "losses": o.count(-1), "ties": o.count(0), "n": len(o)}
-
-
 # ------------------------------------------------------------------------------ aggregation
 
 
@@ -104,22 +87,15 @@ def _layout(recs: list[dict]) -> dict:
 
 
 def _doc_rows(units: list[dict], n_boot: int) -> list[dict]:
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for u in units:
-        groups[(u["domain"], u["policy"], u["budget"])].append(u)
+    groups = _groups(units)
     rows = []
     for task, (all_key, ld_key) in DOC_SUBSETS.items():
         for (domain, policy, budget), recs in groups.items():
-            recs = sorted(recs, key=lambda u: u["item_id"])
             ref = {u["item_id"]: u for u in groups.get((domain, REFERENCE, budget), [])}
-            row = {"task": task, "domain": domain, "policy": policy, **_layout(recs),
-                   "n_items": len(recs), "corpora": sorted({u["source"] for u in recs}),
-                   "wall_s": sum(u.get("wall_s") or 0.0 for u in recs)}  # fmt: skip
+            row = _head(task, domain, policy, recs)
             for label, key in (("metrics", all_key), ("longdep", ld_key)):
                 per = [sums_from_dict(u["sums"].get(key)) for u in recs]
-                pooled = Sums()
-                for s in per:
-                    pooled = pooled.add(s)
+                pooled = Sums.pool(per)
                 m = pooled.metrics()
                 block = {**m, "ci": bootstrap_pooled(per, n_boot)}
                 if label == "metrics":
@@ -141,7 +117,7 @@ def _doc_rows(units: list[dict], n_boot: int) -> list[dict]:
                             out.append(None)
                             continue
                         out.append(compare(-a.nll_policy / a.n, -b.nll_policy / b.n))
-                    vs[label] = count(out)
+                    vs[label] = tally(out)
                 row["vs_streaming"] = vs
             per_corpus = {}
             for corpus in row["corpora"]:
@@ -161,18 +137,40 @@ def _doc_rows(units: list[dict], n_boot: int) -> list[dict]:
     return rows
 
 
-def _choice_rows(task: str, units: list[dict], n_boot: int) -> list[dict]:
-    """needle / multikey: accuracy over cases, per length (and depth), wins vs streaming per case."""
+def _groups(units: list[dict]) -> dict[tuple, list[dict]]:
+    """Unit records by ``(domain, policy, budget)``, each group sorted by item."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for u in units:
         groups[(u["domain"], u["policy"], u["budget"])].append(u)
+    return {k: sorted(v, key=lambda u: u["item_id"]) for k, v in groups.items()}
+
+
+def _head(task: str, domain: str, policy: str, recs: list[dict]) -> dict:
+    """What every row starts with: its task, domain, policy, layout, items, corpora and wall time."""
+    return {"task": task, "domain": domain, "policy": policy, **_layout(recs), "n_items": len(recs),
+            "corpora": sorted({u["source"] for u in recs}), "wall_s": sum(u.get("wall_s") or 0.0 for u in recs)}  # fmt: skip
+
+
+def _vs_streaming(groups: dict, key: tuple, recs: list[dict], value) -> dict | None:
+    """Per-item wins / losses / ties of ``value(unit)`` against StreamingLLM's on the same item and budget."""
+    domain, policy, budget = key
+    if policy in (REFERENCE, DENSE):
+        return None
+    ref = {u["item_id"]: u for u in groups.get((domain, REFERENCE, budget), [])}
+    if not ref:
+        return None
+    return {"all": tally([compare(value(u), value(ref[u["item_id"]])) if u["item_id"] in ref else None
+                          for u in recs])}  # fmt: skip
+
+
+def _choice_rows(task: str, units: list[dict], n_boot: int) -> list[dict]:
+    """needle / multikey: accuracy over cases, per length (and depth), wins vs streaming per case."""
+    groups = _groups(units)
     rows = []
-    for (domain, policy, budget), recs in groups.items():
-        recs = sorted(recs, key=lambda u: u["item_id"])
+    for key, recs in groups.items():
         correct = [1.0 if u["correct"] else 0.0 for u in recs]
-        row = {"task": task, "domain": domain, "policy": policy, **_layout(recs), "n_items": len(recs),
-               "corpora": sorted({u["source"] for u in recs}), "wall_s": sum(u.get("wall_s") or 0.0 for u in recs),
-               "metrics": {"accuracy": sum(correct) / len(correct), "n_cases": len(correct)},
+        row = {**_head(task, *key[:2], recs), "metrics": {"accuracy": sum(correct) / len(correct),
+                                                          "n_cases": len(correct)},
                "ci": {"accuracy": bootstrap_mean(correct, n_boot)}}  # fmt: skip
         by_len: dict[int, list[float]] = defaultdict(list)
         for u, c in zip(recs, correct):
@@ -182,35 +180,27 @@ def _choice_rows(task: str, units: list[dict], n_boot: int) -> list[dict]:
             row["metrics"]["other_key_rate"] = sum(bool(u.get("other_key")) for u in recs) / len(recs)
         row["cases"] = [{k: u.get(k) for k in ("item_id", "length", "depth", "case", "tokens", "correct", "answer",
                                                 "expected", "passkey", "asked_depth") if k in u} for u in recs]  # fmt: skip
-        if policy not in (REFERENCE, DENSE):
-            ref = {u["item_id"]: u for u in groups.get((domain, REFERENCE, budget), [])}
-            if ref:
-                row["vs_streaming"] = {"all": count([compare(float(u["correct"]), float(ref[u["item_id"]]["correct"]))
-                                                     if u["item_id"] in ref else None for u in recs])}  # fmt: skip
+        vs = _vs_streaming(groups, key, recs, lambda u: float(u["correct"]))
+        if vs is not None:
+            row["vs_streaming"] = vs
         rows.append(row)
     return rows
 
 
 def _agreement_rows(units: list[dict], n_boot: int) -> list[dict]:
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for u in units:
-        groups[(u["domain"], u["policy"], u["budget"])].append(u)
+    groups = _groups(units)
     rows = []
-    for (domain, policy, budget), recs in groups.items():
-        recs = sorted(recs, key=lambda u: u["item_id"])
+    for key, recs in groups.items():
         n = sum(u["n_tokens"] for u in recs)
         rates = [u["match_rate"] for u in recs if u["match_rate"] is not None]
-        row = {"task": "agreement", "domain": domain, "policy": policy, **_layout(recs), "n_items": len(recs),
-               "corpora": sorted({u["source"] for u in recs}), "wall_s": sum(u.get("wall_s") or 0.0 for u in recs),
+        row = {**_head("agreement", *key[:2], recs),
                "metrics": {"n_tokens": n,
                            "match_rate": sum(u["match_rate"] * u["n_tokens"] for u in recs) / n if n else None,
                            "prefix_match": sum(u["prefix_match"] for u in recs) / len(recs)},
                "ci": {"match_rate": bootstrap_mean(rates, n_boot)}}  # fmt: skip
-        if policy not in (REFERENCE, DENSE):
-            ref = {u["item_id"]: u for u in groups.get((domain, REFERENCE, budget), [])}
-            if ref:
-                row["vs_streaming"] = {"all": count([compare(u["match_rate"], ref[u["item_id"]]["match_rate"])
-                                                     if u["item_id"] in ref else None for u in recs])}  # fmt: skip
+        vs = _vs_streaming(groups, key, recs, lambda u: u["match_rate"])
+        if vs is not None:
+            row["vs_streaming"] = vs
         rows.append(row)
     return rows
 

@@ -20,6 +20,8 @@ import json
 import os
 from pathlib import Path
 
+from ..files import atomic_write
+
 RUN_FILE = "run.json"
 RECORDS_DIR = "records"
 SESSIONS_FILE = "sessions.jsonl"
@@ -31,12 +33,6 @@ class StoreMismatch(ValueError):
 
 def unit_key(item_id: str, policy: str, budget: int | None) -> str:
     return f"{item_id}|{policy}|{budget if budget is not None else '-'}"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _read_jsonl(path: Path) -> tuple[list[dict], int, bool]:
@@ -87,7 +83,8 @@ class RecordStore:
                     "use another --out folder (or delete it to start over)"
                 )
         else:
-            _atomic_write(run, json.dumps({"fingerprint": fingerprint}, indent=1) + "\n")
+            text = json.dumps({"fingerprint": fingerprint}, indent=1) + "\n"
+            atomic_write(run, lambda tmp: Path(tmp).write_text(text))
         (self.out / RECORDS_DIR).mkdir(exist_ok=True)
         self.path = self.out / RECORDS_DIR / f"{tag}.jsonl"
         for f in sorted((self.out / RECORDS_DIR).glob("*.jsonl")):

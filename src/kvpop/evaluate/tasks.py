@@ -20,32 +20,14 @@ from __future__ import annotations
 
 import random
 import re
-import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ..config import EvictionConfig
-from .core import DENSE, DenseCache, doc_key, policy_cache, teacher_forced
-
 TASKS = ("lm", "continuation", "needle", "multikey", "agreement")
 DEFAULT_TASKS = ("lm", "continuation", "needle", "multikey")
 TEXT_TASKS = ("lm", "continuation", "agreement")  # tasks that run on a document's own text
-
-
-def lm_doc(model, ids: Tensor, policy: str, budget: EvictionConfig, dense: DenseCache, **policy_kwargs) -> dict:
-    return teacher_forced(model, ids, policy, budget, dense=dense, policy_kwargs=policy_kwargs)
-
-
-def continuation_doc(model, ids: Tensor, context: int, policy: str, budget: EvictionConfig, dense: DenseCache,
-                     **policy_kwargs) -> dict:  # fmt: skip
-    """``ids`` = context + continuation; position ``context - 1`` predicts the first continuation token."""
-    if not 1 <= context < ids.numel():
-        raise ValueError(f"context {context} must be shorter than the document ({ids.numel()} tokens)")
-    return teacher_forced(
-        model, ids, policy, budget, score_from=context - 1, dense=dense, policy_kwargs=policy_kwargs
-    )
 
 
 # ------------------------------------------------------------------------------ generation
@@ -76,21 +58,6 @@ def greedy(
     return out[0, ids.shape[1] :].cpu()
 
 
-def _policy_generate(model, tokenizer, prompt: Tensor, n: int, policy: str, budget: EvictionConfig, dense: DenseCache,
-                     force_length: bool, policy_kwargs: dict) -> tuple[Tensor, Tensor, float]:  # fmt: skip
-    """(dense new ids, policy new ids, policy wall seconds)."""
-    key = (doc_key(prompt), n, force_length)
-    dense_new = dense.generation(key, lambda: greedy(model, tokenizer, prompt, n, None, force_length))
-    if policy == DENSE:
-        return dense_new, dense_new, 0.0
-    t0 = time.perf_counter()
-    # the oracle needs the whole sequence in advance: prompt + the dense continuation
-    full = torch.cat([prompt.view(-1), dense_new])
-    cache = policy_cache(model, policy, full, budget, **policy_kwargs)
-    new = greedy(model, tokenizer, prompt, n, cache, force_length)
-    return dense_new, new, time.perf_counter() - t0
-
-
 def agreement_result(dense_new: Tensor, new: Tensor) -> dict:
     n = min(dense_new.numel(), new.numel())
     eq = (dense_new[:n] == new[:n]).tolist()
@@ -101,13 +68,6 @@ def agreement_result(dense_new: Tensor, new: Tensor) -> dict:
         "match_rate": sum(eq) / n if n else float("nan"),
         "first_divergence": first,
     }
-
-
-def agreement_doc(model, tokenizer, prompt: Tensor, n_new: int, policy: str, budget: EvictionConfig, dense: DenseCache,
-                  **policy_kwargs) -> dict:  # fmt: skip
-    """Greedy ``n_new`` tokens under the policy vs dense (eos suppressed so both have ``n_new``)."""
-    d, p, wall = _policy_generate(model, tokenizer, prompt, n_new, policy, budget, dense, True, policy_kwargs)
-    return {**agreement_result(d, p), "wall_s": wall}
 
 
 # ------------------------------------------------------------------------------ prompts
@@ -197,13 +157,6 @@ def needle_result(tokenizer, case: NeedleCase, new: Tensor) -> dict:
         "answer": answer.strip(),
         "correct": first_number(answer) == case.passkey,
     }
-
-
-def needle_case(model, tokenizer, case: NeedleCase, policy: str, budget: EvictionConfig, dense: DenseCache,
-                max_new_tokens: int = 16, **policy_kwargs) -> dict:  # fmt: skip
-    _, new, wall = _policy_generate(model, tokenizer, case.ids, max_new_tokens, policy, budget, dense, False,
-                                    policy_kwargs)  # fmt: skip
-    return {**needle_result(tokenizer, case, new), "wall_s": wall}
 
 
 # ------------------------------------------------------------------------------ multi-key recall

@@ -3,26 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
-import torch.distributed as dist
-
-from ..files import json_safe
+from ..options import add_run_arguments, config_kwargs, ints, run_training_command
 from .config import TRAIN_CORPORA, TrainConfig
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
-def budget_range_arg(text: str) -> tuple[int, int]:
-    """``LO,HI`` of ``--budget-range`` (kvpop train and kvpop adapt)."""
-    lo_hi = _ints(text)
-    if len(lo_hi) != 2:
-        raise argparse.ArgumentTypeError(f"expected LO,HI (two budgets), got {text!r}")
-    return lo_hi
+from .loop import train
 
 
 def _observed(text: str) -> tuple[int | None, ...]:
@@ -40,24 +24,17 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     d = TrainConfig()
     p.add_argument("--kind", dest="scorer", choices=["mlp", "mlstm"], default=d.scorer, help="scorer kind")
     p.add_argument("--out", required=True, help="output folder (checkpoints, summary.json); an existing run resumes")
-    p.add_argument("--model", default=None, help="local HF folder or .gguf (default: embedded SmolLM2)")
-    p.add_argument("--corpora", default=",".join(TRAIN_CORPORA),
-                   help="comma-separated training corpora (kvpop.data; default keeps paul_graham and python_code "
-                        "out, for the out-of-domain evaluation)")  # fmt: skip
-    p.add_argument("--docs-from", default=None, help="train on your own texts: a folder of .txt or a .jsonl")
-    p.add_argument("--budgets", type=_ints, default=d.budgets,
-                   help="comma-separated budgets B; one is drawn per step (default 512)")  # fmt: skip
-    p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
-    p.add_argument("--budget-range", type=budget_range_arg, default=None, metavar="LO,HI",
-                   help="draw B log-uniformly from [LO, HI] at every step instead of --budgets (one scorer for every "
-                        "budget in between; the window is the captured one nearest --window-fraction of B)")  # fmt: skip
+    add_run_arguments(p, d, texts="train on", corpora=TRAIN_CORPORA,
+                      range_help="(one scorer for every budget in between; the window is the captured one nearest "
+                                 "--window-fraction of B)",
+                      int_fields=("seq_len", "batch_size", "sinks", "steps", "seed", "val_docs", "val_every",
+                                  "ckpt_every", "hidden", "dk", "dv", "stop_after", "cycle"),
+                      float_fields=("lam", "tau", "lr", "weight_decay"))  # fmt: skip
     p.add_argument("--windows-per-octave", type=int, default=d.windows_per_octave,
                    help="--budget-range: target windows captured per doubling of the window (default 2)")
     p.add_argument("--windows-per-sequence", type=int, default=d.windows_per_sequence,
                    help="--budget-range: targets for only this many windows of the grid per sequence (0: all); a "
                         "smaller store, budgets still log-uniform over the sequences")
-    p.add_argument("--val-budgets", type=_ints, default=(),
-                   help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)")
     p.add_argument("--val-seq-len", type=int, default=None, help="tokens per validation window (default --seq-len)")
     p.add_argument("--val-cache", default=None,
                    help="folder that keeps the validation baseline (dense, StreamingLLM) for later runs of a sweep")
@@ -69,50 +46,22 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--no-position-free", dest="position_free", action="store_false",
                    help="feed post-RoPE keys (default: undo RoPE)")  # fmt: skip
     p.add_argument("--no-tilt", dest="tilt", action="store_false", help="no learned per-head recency tilt")
-    p.add_argument("--extra-windows", type=_ints, default=(), help="also capture targets for these windows (store)")
-    for name in ("seq_len", "batch_size", "sinks", "steps", "seed", "val_docs", "val_every", "ckpt_every", "hidden",
-                 "dk", "dv", "stop_after", "cycle"):  # fmt: skip
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("lam", "tau", "lr", "weight_decay"):
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--extra-windows", type=ints, default=(), help="also capture targets for these windows (store)")
     p.add_argument("--loss", choices=["boundary", "mse"], default=d.loss)
-    p.add_argument("--weighting", choices=["uniform", "mass"], default=d.weighting)
     p.add_argument("--store", default=None, help="capture store folder: captures are kept there and reused")
     p.add_argument("--capture-only", action="store_true", help="fill --store for --steps x --batch-size sequences")
-    p.add_argument("--device", default="cpu", help="cpu, or cuda (the model and scorer move there)")
-    p.add_argument("--check-sync", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--no-progress", action="store_true")
     return p
 
 
 def config_from_args(args) -> TrainConfig:
-    kw = {k: v for k, v in vars(args).items() if k in TrainConfig.field_names()}
-    kw["corpora"] = tuple(c for c in args.corpora.split(",") if c)
-    kw["progress"] = not args.no_progress
-    return TrainConfig(**kw)
+    return TrainConfig(**config_kwargs(args, TrainConfig))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        cfg = config_from_args(args)
-        cfg.validate()  # bad input fails before the model loads
-    except (TypeError, ValueError) as exc:
-        print(f"kvpop train: error: {exc}", file=sys.stderr)
-        return 2
-    from .loop import train
+    return run_training_command("kvpop train", argv, build_parser(), config_from_args, train, _report)
 
-    try:
-        summary = train(cfg)
-    except (ValueError, OSError) as exc:  # OSError: an unwritable --out, a full disk (the last checkpoint kept)
-        print(f"kvpop train: error: {exc}", file=sys.stderr)
-        return 2
-    if int(os.environ.get("RANK", "0")) == 0:
-        if "best" in summary:
-            print(json.dumps(json_safe({"best": summary["best"], "tokens_seen": summary["tokens_seen"],
-                                        "seconds": summary["seconds_this_process"]}), indent=1))  # fmt: skip
-        else:
-            print(json.dumps(json_safe(summary), indent=1, default=str))
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+
+def _report(summary: dict) -> dict:
+    if "best" not in summary:  # --capture-only
+        return summary
+    return {"best": summary["best"], "tokens_seen": summary["tokens_seen"], "seconds": summary["seconds_this_process"]}

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..config import EvictionConfig, default_window
+from ..data import CORPORA
+from ..runs import RunSettings
 
 # Held out of training so the out-of-domain columns of the evaluation stay honest: one prose
 # corpus (Paul Graham's essays) and one code corpus (the CPython standard library).
@@ -21,7 +25,7 @@ RESUME_KEYS = ("scorer", "seq_len", "budgets", "budget_range", "windows_per_octa
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(RunSettings):
     """A scorer training run (LLM frozen). See ``kvpop train --help`` for each field."""
 
     scorer: str = "mlstm"  # "mlp" | "mlstm"
@@ -75,16 +79,9 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)  # free-form notes recorded in the summary
 
     def __post_init__(self) -> None:
-        if self.budget is not None:
-            self.budgets = (int(self.budget),)
-            self.budget = None
-        self.budgets = tuple(int(b) for b in self.budgets)
-        if self.budget_range is not None:
-            self.budget_range = (int(self.budget_range[0]), int(self.budget_range[1]))
-        self.val_budgets = tuple(int(b) for b in self.val_budgets)
+        self.normalise_budgets()
         if self.val_seq_len is None:
             self.val_seq_len = self.seq_len
-        self.corpora = tuple(self.corpora)
         self.observed = tuple(None if o is None else int(o) for o in self.observed)
         self.extra_windows = tuple(int(w) for w in self.extra_windows)
 
@@ -151,17 +148,6 @@ class TrainConfig:
         want = self.window_for(budget)
         window = min(self.window_grid(), key=lambda w: abs(math.log(w / want)))
         return EvictionConfig.from_budget(budget, window=window, sinks=self.sinks, lam=self.lam)
-
-    def validation_budgets(self) -> tuple[int, ...]:
-        """Budgets the validation probe measures: ``val_budgets``, else the training budgets, else three
-        spanning the range (twice its low end, its geometric middle, half its high end)."""
-        if self.val_budgets:
-            return self.val_budgets
-        if self.budget_range is None:
-            return self.budgets
-        lo, hi = self.budget_range
-        picks = (min(hi, 2 * lo), round(math.sqrt(lo * hi)), max(lo, hi // 2))
-        return tuple(sorted(set(picks)))
 
     def trained_settings(self) -> dict:
         """The checkpoint's ``trained_for``: what caches default to (``kvpop.config.TrainedSettings``)."""
@@ -231,17 +217,8 @@ class TrainConfig:
         if self.capture_only and not self.store:
             raise ValueError("capture_only needs a store folder (--store DIR) to fill")
         if not self.docs_from:
-            from ..data import CORPORA
-
             for c in self.corpora:
                 if c not in CORPORA:
                     raise ValueError(f"unknown corpus {c!r}; known: {', '.join(CORPORA)}")
-        if self.device != "cpu":
-            import torch
-
-            if not torch.device(self.device).type == "cuda" or not torch.cuda.is_available():
-                raise ValueError(f"device {self.device!r} is not available here (use cpu, or cuda on a CUDA machine)")
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
+        if self.device != "cpu" and (torch.device(self.device).type != "cuda" or not torch.cuda.is_available()):
+            raise ValueError(f"device {self.device!r} is not available here (use cpu, or cuda on a CUDA machine)")

@@ -18,10 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
+from .. import data
 from ..capture import collect
-from ..checkpoint import atomic_write, fingerprint_diff, model_fingerprint
+from ..checkpoint import fingerprint_diff, model_fingerprint
+from ..files import atomic_write
 from .config import TrainConfig
 
 STORE_FORMAT = "kvpop-capture-store-v1"
@@ -97,8 +101,6 @@ class SequenceSource:
         self._next = 0
 
     def _stream(self) -> Iterator[tuple[str, Tensor]]:
-        from .. import data
-
         cfg = self.cfg
         if cfg.docs_from:
             docs = data.read_user_documents(cfg.docs_from)
@@ -205,8 +207,6 @@ class CaptureStore:
         return self.path(j).is_file()
 
     def save(self, j: int, ex: Example) -> None:
-        from safetensors.torch import save_file
-
         if ex.keys.shape[1] != 1:
             raise ValueError("the store keeps one sequence per file")
         tensors = {"keys": ex.keys[:, 0].half().contiguous().cpu(), "values": ex.values[:, 0].half().contiguous().cpu()}
@@ -221,8 +221,6 @@ class CaptureStore:
         atomic_write(self.path(j), lambda tmp: save_file(tensors, tmp, metadata={"kvpop": json.dumps(meta)}))
 
     def load(self, j: int, windows, observed: bool = True) -> Example:
-        from safetensors import safe_open
-
         with safe_open(str(self.path(j)), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("kvpop", "{}"))
 

@@ -24,14 +24,17 @@ from pathlib import Path
 
 import torch
 
+from .. import models
 from ..cache import make_cache
 from ..capture import collect
-from ..checkpoint import DEFAULT_SCORERS, atomic_write, load_scorer
-from ..evaluate.core import DenseCache, Sums, hidden_states, sums_from_hidden
+from ..checkpoint import DEFAULT_SCORERS, load_scorer
+from ..files import atomic_write
+from ..plotting import pyplot, save_figure
 from ..policies import LearnedPolicy, OraclePolicy
+from ..quality import DenseCache, Sums, hidden_states, score_document, wins
 from .config import TrainConfig
 from .data import SequenceSource, capture_example
-from .labels import _spearman
+from .labels import spearman
 from .quality import VALIDATION_SEED
 
 
@@ -55,7 +58,7 @@ def _rank_corr(noisy: list[torch.Tensor], true: list[torch.Tensor], window: int)
             keep = torch.isfinite(b[0, h])
             keep[S - 2 * window:] = False  # too few future queries to carry signal (as the loss)
             if keep.sum() > 2:
-                rhos.append(_spearman(a[0, h][keep], b[0, h][keep]))
+                rhos.append(spearman(a[0, h][keep], b[0, h][keep]))
     return sum(rhos) / max(1, len(rhos))
 
 
@@ -74,7 +77,7 @@ def noisy_oracle(model, tokenizer, cfg: TrainConfig, budget: int, sigmas, n_docs
     for _, ids in docs:
         dh, _ = dense.get(model, ids)
         ph = hidden_states(model, ids, make_cache(model, "streaming", budget=budget, sinks=ev.sinks))
-        s = sums_from_hidden(model, dh, ph, ids, budget)
+        s = score_document(model, ids, dh, ph, budget).lm
         streaming = streaming.add(s)
         per_doc_stream.append(s.metrics()["retention"])
     for di, (corpus, ids) in enumerate(docs):
@@ -89,7 +92,7 @@ def noisy_oracle(model, tokenizer, cfg: TrainConfig, budget: int, sigmas, n_docs
                           for i in range(len(true))]  # fmt: skip
                 cache = make_cache(model, LearnedPolicy(sc, source=str(scorers[name])), budget=budget,
                                    window=ev.window, sinks=ev.sinks, lam=ev.lam)  # fmt: skip
-                s = sums_from_hidden(model, dh, hidden_states(model, ids, cache), ids, budget)
+                s = score_document(model, ids, dh, hidden_states(model, ids, cache), budget).lm
                 r = learned[name]
                 r["sums"] = r["sums"].add(s)
                 r["rank_correlation"].append(_rank_corr(scores, true, ev.window))
@@ -102,7 +105,7 @@ def noisy_oracle(model, tokenizer, cfg: TrainConfig, budget: int, sigmas, n_docs
             t0 = time.perf_counter()
             noisy = _noisy(true, sigma, seed + di) if sigma > 0 else true
             cache = make_cache(model, OraclePolicy(noisy), budget=budget, window=ev.window, sinks=ev.sinks, lam=ev.lam)
-            s = sums_from_hidden(model, dh, hidden_states(model, ids, cache), ids, budget)
+            s = score_document(model, ids, dh, hidden_states(model, ids, cache), budget).lm
             r = rows.setdefault(str(sigma), {"sums": Sums(), "rank_correlation": [], "per_doc": []})
             r["sums"] = r["sums"].add(s)
             r["rank_correlation"].append(_rank_corr(noisy, true, ev.window))
@@ -118,7 +121,7 @@ def noisy_oracle(model, tokenizer, cfg: TrainConfig, budget: int, sigmas, n_docs
             "retention": m["retention"], "kl": m["kl"],
             "rank_correlation": sum(r["rank_correlation"]) / len(r["rank_correlation"]),
             "per_doc": r["per_doc"],
-            "wins_vs_streaming": sum(a > b for a, b in zip(r["per_doc"], per_doc_stream)),
+            "wins_vs_streaming": wins(r["per_doc"], per_doc_stream)["wins"],
         }  # fmt: skip
     out["scorers"] = {}
     for name, r in learned.items():
@@ -126,19 +129,14 @@ def noisy_oracle(model, tokenizer, cfg: TrainConfig, budget: int, sigmas, n_docs
         out["scorers"][name] = {
             "path": str(scorers[name]), "retention": m["retention"], "kl": m["kl"],
             "rank_correlation": sum(r["rank_correlation"]) / len(r["rank_correlation"]),
-            "per_doc": r["per_doc"], "wins_vs_streaming": sum(a > b for a, b in zip(r["per_doc"], per_doc_stream)),
+            "per_doc": r["per_doc"], "wins_vs_streaming": wins(r["per_doc"], per_doc_stream)["wins"],
         }  # fmt: skip
     return out
 
 
 
 def plot_noisy_oracle(result: dict, path: Path, scorers: dict | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    fig, ax = pyplot().subplots(figsize=(5.5, 4))
     pts = sorted((v["rank_correlation"], v["retention"], s) for s, v in result["sigmas"].items())
     ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="oracle + noise")
     for rc, ret, s in pts:
@@ -151,8 +149,7 @@ def plot_noisy_oracle(result: dict, path: Path, scorers: dict | None = None) -> 
     ax.set_title(f"What the rule needs: B={result['budget']}, window {result['window']}, {result['docs']} docs")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TrainConfig(budgets=(args.budget,), window_fraction=args.window_fraction, seq_len=args.seq_len,
                       model=args.model)  # fmt: skip
     cfg.validate()
-    from ..models import load_model
-
-    model, tok = load_model(args.model, progress=False)
+    model, tok = models.load_model(args.model, progress=False)
     t0 = time.perf_counter()
     res = noisy_oracle(model, tok, cfg, args.budget, args.sigmas, args.docs, scorers=scorers)
     res["wall_s"] = time.perf_counter() - t0

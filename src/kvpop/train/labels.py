@@ -81,7 +81,7 @@ def layer_loss(scores: Tensor, targets: Tensor, lab: Labels, layer: int, *, loss
 # --- diagnostics ------------------------------------------------------------------------
 
 
-def _spearman(a: Tensor, b: Tensor) -> float:
+def spearman(a: Tensor, b: Tensor) -> float:
     ra = a.argsort().argsort().double()
     rb = b.argsort().argsort().double()
     ra, rb = ra - ra.mean(), rb - rb.mean()
@@ -148,7 +148,7 @@ def decision_metrics(score_layers, targets: Tensor, lab: Labels, window: int, la
                 t = targets[layer, bi, hi]
                 keep = m_rank & torch.isfinite(t)
                 if keep.sum() > 2:
-                    rhos.append(_spearman(scores[bi, hi][keep], t[keep]))
+                    rhos.append(spearman(scores[bi, hi][keep], t[keep]))
     out = {
         "decisions": int(total),
         "accuracy": correct["scorer"] / max(1.0, total),

@@ -2,10 +2,11 @@
 
 Loss and decision accuracy do not say whether a scorer keeps more quality than a sliding
 window: a scorer can make most keep/evict calls right and still drop the few tokens that
-matter. So the run measures what users get: teacher-forced retention (``ppl_dense /
-ppl_policy``) of held-out validation windows under a real :class:`kvpop.KVpopCache` with the
-scorer being trained, at each training budget, next to StreamingLLM at the same budget. The
-best checkpoint by that number is kept (``best.safetensors``).
+matter. So the run measures what users get (:mod:`kvpop.quality`, the probe every command
+uses): teacher-forced retention (``ppl_dense / ppl_policy``) of held-out validation windows
+under a real :class:`kvpop.KVpopCache` with the scorer being trained, at each training budget,
+next to StreamingLLM at the same budget. The best checkpoint by that number is kept
+(``best.safetensors``).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from ..cache import make_cache
-from ..checkpoint import atomic_write, model_fingerprint
-from ..evaluate.core import DenseCache, Sums, hidden_states, sums_from_hidden
+from ..checkpoint import model_fingerprint
+from ..data import round_robin_windows
+from ..files import atomic_write
 from ..policies import LearnedPolicy
+from ..quality import DenseCache, Probe, wins
 from .config import TrainConfig
 from .data import SequenceSource
 
@@ -36,59 +38,60 @@ def validation_windows(tokenizer, cfg: TrainConfig, n: int) -> list[tuple[str, t
     if cfg.docs_from:
         source = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED, seq_len=cfg.val_seq_len)
         return [source.get(j) for j in range(n)]
-    from ..data import round_robin_windows
-
     return round_robin_windows(tokenizer, cfg.corpora, cfg.val_seq_len, n, "validation", VALIDATION_SEED)
+
+
+def continuation_tokens(seq_len: int) -> int:
+    """The continuation predictions validation scores: ``seq_len / 16 - 1`` (255 of 4,096), one fewer
+    than ``kvpop eval``'s continuation task. Kept so that a resumed run, and the StreamingLLM baseline
+    a ``--val-cache`` folder holds, compare the same positions as before."""
+    return max(1, seq_len // 16) - 1
 
 
 class RetentionProbe:
     """Validation windows and their dense runs; retention of a scorer under the real cache.
 
     Two tasks from one forward per window and budget, as the evaluation scores them: ``lm`` (every
-    position after the budget is first full) and ``continuation`` (the last ``seq_len / 16``
+    position after the budget is first full) and ``continuation`` (the last ``seq_len / 16 - 1``
     positions). The selection number is the mean over budgets of both tasks' retention.
     """
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, n_docs: int | None = None,
                  cache_dir: str | os.PathLike | None = None) -> None:  # fmt: skip
         self.model, self.cfg = model, cfg
-        self.docs = validation_windows(tokenizer, cfg, cfg.val_docs if n_docs is None else n_docs)
+        docs = validation_windows(tokenizer, cfg, cfg.val_docs if n_docs is None else n_docs)
         self.dense = DenseCache()
+        self.probe = Probe(docs, lambda ids: self.dense.get(model, ids)[0], continuation_tokens)
         self._streaming: dict[int, dict] = {}
         # the baseline (dense hidden states, StreamingLLM's results) does not depend on the scorer: runs of a
         # sweep share it through a folder, keyed by the model, the windows and the split settings
         self.cache_dir = Path(cache_dir) if cache_dir else None
-        if self.cache_dir is not None and self.docs:
+        if self.cache_dir is not None and docs:
             h = hashlib.sha256(json.dumps(model_fingerprint(model), sort_keys=True).encode())
-            for _, ids in self.docs:
+            for _, ids in docs:
                 h.update(ids.numpy().tobytes())
             h.update(f"{cfg.sinks}:{cfg.lam}".encode())
             self._key = h.hexdigest()[:16]
             dense = self.cache_dir / f"dense_{self._key}.pt"
             if dense.is_file():
-                for (_, ids), hidden in zip(self.docs, torch.load(dense, weights_only=True), strict=True):
+                for (_, ids), hidden in zip(docs, torch.load(dense, weights_only=True), strict=True):
                     self.dense.put(ids, hidden)
             else:
-                hidden = [self.dense.get(model, ids)[0] for _, ids in self.docs]
+                hidden = [self.dense.get(model, ids)[0] for _, ids in docs]
                 self.cache_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write(dense, lambda tmp: torch.save(hidden, tmp))
 
-    @torch.no_grad()
+    @property
+    def docs(self) -> list[tuple[str, torch.Tensor]]:
+        return self.probe.docs
+
     def _run(self, policy, budget: int) -> dict:
         cfg = self.cfg
-        lm, cont, per_doc = Sums(), Sums(), []
-        for corpus, ids in self.docs:
-            dh, _ = self.dense.get(self.model, ids)
-            cache = make_cache(self.model, policy, budget=budget, window=cfg.window_for(budget), sinks=cfg.sinks,
-                               lam=cfg.lam)  # fmt: skip
-            ph = hidden_states(self.model, ids, cache)
-            a = sums_from_hidden(self.model, dh, ph, ids, budget)
-            c = sums_from_hidden(self.model, dh, ph, ids, ids.numel() - max(1, ids.numel() // 16))
-            lm, cont = lm.add(a), cont.add(c)
-            per_doc.append({"corpus": corpus, "retention": a.metrics()["retention"],
-                            "continuation": c.metrics()["retention"]})  # fmt: skip
-        m = lm.metrics()
-        return {"retention": m["retention"], "kl": m["kl"], "continuation": cont.metrics()["retention"],
+        s = self.probe.score(self.model, policy, budget, window=cfg.window_for(budget), sinks=cfg.sinks, lam=cfg.lam)
+        m = s.lm().metrics()
+        per_doc = [{"corpus": corpus, "retention": lm, "continuation": cont}
+                   for corpus, lm, cont in zip(s.labels, s.per_doc("lm"), s.per_doc("continuation"), strict=True)]
+        return {"retention": m["retention"], "kl": m["kl"], "continuation": s.continuation().retention,
                 "per_doc": per_doc}  # fmt: skip
 
     def streaming(self, budget: int) -> dict:
@@ -114,11 +117,12 @@ class RetentionProbe:
             for b in budgets:
                 r = self._run(policy, b)
                 s = self.streaming(b)
-                pairs = list(zip(r["per_doc"], s["per_doc"], strict=True))
+                mine, theirs = r["per_doc"], s["per_doc"]
                 out[str(b)] = {
                     **r, "streaming": s["retention"], "streaming_continuation": s["continuation"],
-                    "wins_vs_streaming": sum(a["retention"] > c["retention"] for a, c in pairs),
-                    "continuation_wins_vs_streaming": sum(a["continuation"] > c["continuation"] for a, c in pairs),
+                    "wins_vs_streaming": wins([a["retention"] for a in mine], [c["retention"] for c in theirs])["wins"],
+                    "continuation_wins_vs_streaming": wins([a["continuation"] for a in mine],
+                                                           [c["continuation"] for c in theirs])["wins"],
                     "docs": len(self.docs),
                 }  # fmt: skip
         finally:

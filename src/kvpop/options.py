@@ -1,0 +1,121 @@
+"""What kvpop's command lines share: argument types, the quiet model load, the policy a scorer
+checkpoint serves, and the frame of a training command (``kvpop train``, ``kvpop adapt``).
+
+The top-level ``kvpop`` command (:mod:`kvpop.cli`) and each subcommand's own parser
+(:mod:`kvpop.train.cli`, :mod:`kvpop.adapt.cli`, :mod:`kvpop.evaluate.cli`, the benchmarks)
+import from here, so no subcommand imports the top-level command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import torch.distributed as dist
+from transformers.utils import logging as hf_logging
+
+from . import models
+from .checkpoint import scorer_kind
+from .files import json_safe
+from .policies import KIND_TO_POLICY
+
+__all__ = ["add_run_arguments", "budget_range_arg", "config_kwargs", "ints", "load_model_quietly", "policy_for_scorer",
+           "run_training_command"]
+
+
+def ints(text: str) -> tuple[int, ...]:
+    """``"512,1024"`` -> ``(512, 1024)``."""
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def budget_range_arg(text: str) -> tuple[int, int]:
+    """``LO,HI`` of ``--budget-range`` (kvpop train and kvpop adapt)."""
+    lo_hi = ints(text)
+    if len(lo_hi) != 2:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two budgets), got {text!r}")
+    return lo_hi
+
+
+def add_run_arguments(p: argparse.ArgumentParser, defaults, *, texts: str, corpora: tuple[str, ...],
+                      range_help: str, int_fields: tuple[str, ...], float_fields: tuple[str, ...]) -> None:
+    """The arguments ``kvpop train`` and ``kvpop adapt`` share: the model, the data (``texts``: what the
+    command does with them, e.g. "train on"), the budgets, validation budgets, the numeric fields of
+    ``defaults`` (a config) named in ``int_fields`` / ``float_fields``, the device and progress."""
+    p.add_argument("--model", default=None, help="local HF folder or .gguf (default: embedded SmolLM2)")
+    p.add_argument("--corpora", default=",".join(corpora),
+                   help="comma-separated training corpora (kvpop.data; default keeps paul_graham and python_code "
+                        "out, for the out-of-domain evaluation)")  # fmt: skip
+    p.add_argument("--docs-from", default=None, help=f"{texts} your own texts: a folder of .txt or a .jsonl")
+    p.add_argument("--budgets", type=ints, default=defaults.budgets,
+                   help="comma-separated budgets B; one is drawn per step (default 512)")
+    p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
+    p.add_argument("--budget-range", type=budget_range_arg, default=None, metavar="LO,HI",
+                   help="draw B log-uniformly from [LO, HI] at every step instead of --budgets " + range_help)
+    p.add_argument("--val-budgets", type=ints, default=(),
+                   help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)")
+    for name in int_fields:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    for name in float_fields:
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    p.add_argument("--weighting", choices=["uniform", "mass"], default=defaults.weighting)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (the model and scorer move there)")
+    p.add_argument("--check-sync", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def config_kwargs(args: argparse.Namespace, cls) -> dict:
+    """The fields of the config class ``cls`` (:meth:`kvpop.runs.RunSettings.field_names`) from
+    parsed arguments, with ``--corpora`` split and ``--no-progress`` turned around."""
+    kw = {k: v for k, v in vars(args).items() if k in cls.field_names()}
+    kw["corpora"] = tuple(c for c in args.corpora.split(",") if c)
+    kw["progress"] = not args.no_progress
+    return kw
+
+
+def load_model_quietly(name_or_path=None, adapter=None, merge: bool = False):
+    """``kvpop.load_model`` for the command line: kvpop's one-time conversion messages, but not
+    transformers' per-load "Loading weights" bar (noise on every run)."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return models.load_model(name_or_path, progress=True, adapter=adapter, merge=merge)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def policy_for_scorer(path: str, policy: str | None = None) -> str:
+    """The learned policy a scorer checkpoint belongs to (its kind, read from the file's header)."""
+    name = KIND_TO_POLICY[scorer_kind(path)]
+    if policy is not None and policy != name:
+        raise ValueError(f"--scorer {path} is a {scorer_kind(path)} scorer (policy {name}); it cannot serve --policy {policy}")
+    return name
+
+
+def run_training_command(prog: str, argv: list[str] | None, parser: argparse.ArgumentParser,
+                         make_config: Callable, run: Callable[..., dict], report: Callable[[dict], dict],
+                         config_errors: tuple[type[Exception], ...] = (TypeError, ValueError)) -> int:  # fmt: skip
+    """Parse ``argv``, build and validate the config (bad input: one line, exit 2, before any model
+    loads), ``run`` it (a ``ValueError`` or ``OSError`` -- another run's folder, an unwritable
+    ``--out``, a full disk -- is one line and exit 2 too), print ``report(summary)`` as JSON on rank
+    0, and end the process group under ``torchrun``."""
+    args = parser.parse_args(argv)
+    try:
+        cfg = make_config(args)
+        cfg.validate()
+    except config_errors as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = run(cfg)
+    except (ValueError, OSError) as exc:  # OSError: an unwritable --out, a full disk (the last checkpoint kept)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(json_safe(report(summary)), indent=1, default=str))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
