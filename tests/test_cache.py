@@ -249,3 +249,33 @@ def test_learned_policy_defaults_to_its_trained_window_and_lam_and_warns_on_othe
     # heuristics keep the library defaults (B // 8, lam 0)
     c = KVpopCache(model.config, budget=24, policy="h2o")
     assert (c.eviction.window, c.eviction.lam) == (3, 0.0)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "kvpop+"])
+def test_layer_state_moved_out_and_back_in_equals_the_layer(policy):
+    """``KVpopLayer.buffers`` / ``load`` (what a serving engine uses to keep each sequence's state in
+    its own memory): copying every layer's state out and loading the copies back before each step
+    changes nothing, and ``load`` takes the tensors themselves."""
+    from dataclasses import fields
+
+    from kvpop.cache import LayerBuffers
+    from kvpop.policies import map_state
+
+    model = tiny_model()
+    ids = _unique_ids(60)
+    pol = _policy(policy, model)
+    plain = KVpopCache(model.config, budget=24, window=8, policy=pol)
+    moved = KVpopCache(model.config, budget=24, window=8, policy=pol)
+    with torch.no_grad():
+        want = _kvpop_logits(model, ids, plain, prefill=20)
+        outs = [model(ids[:, :20], past_key_values=moved).logits]
+        for i in range(20, ids.shape[1]):
+            for layer in moved.layers:
+                buf = layer.buffers()
+                copy = LayerBuffers(*(map_state(getattr(buf, f.name), torch.clone) for f in fields(LayerBuffers)))
+                layer.load(copy)
+                assert layer.buffers().keys is copy.keys and layer.buffers().policy_state is copy.policy_state
+            outs.append(model(ids[:, i : i + 1], past_key_values=moved).logits)
+    assert torch.equal(torch.cat(outs, 1), want)
+    for a, b in zip(plain.layers, moved.layers):
+        assert torch.equal(a.slot_index, b.slot_index)

@@ -1,7 +1,7 @@
 """kvpop: a fixed-size KV cache for transformers by learned eviction (KVpop)."""
 
 from .attention import detach
-from .cache import KVpopCache, KVpopLayer, make_cache
+from .cache import KVpopCache, KVpopLayer, LayerBuffers, make_cache
 from .config import EvictionConfig
 from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy, get_policy, policy_names, register_policy
 
@@ -26,6 +26,7 @@ __all__ = [
     "GenerationResult",
     "KVpopCache",
     "KVpopLayer",
+    "LayerBuffers",
     "LayerCapture",
     "ModelLoadError",
     "Policy",

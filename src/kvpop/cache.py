@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import fused, rule
@@ -45,6 +46,22 @@ class _BoundStep:
     state: object  # the policy state (updated in place by the step)
     observed: torch.Tensor  # the window statistics (idem)
     kernel: tuple | None  # the learned policy's decode_kernel (None: a pure steady_score)
+
+
+@dataclass
+class LayerBuffers:
+    """One layer's per-sequence state, batch rows on dim 0: what :meth:`KVpopLayer.buffers`
+    returns and :meth:`KVpopLayer.load` takes. Slot ``B`` of ``keys``/``values``/``slot_index`` and
+    entry ``k`` of ``lr_prio`` are scratch ("trash") entries that absorb rejected writes; their
+    content is never read."""
+
+    keys: torch.Tensor  # [b, h, B + 1, d]: sinks, window ring, long-range slots, scratch
+    values: torch.Tensor  # [b, h, B + 1, dv]
+    slot_index: torch.Tensor  # [b, h, B + 1] long: the token index each slot holds, -1 = empty
+    lr_prio: torch.Tensor  # [b, h, k + 1] float32: frozen priorities of the long-range slots
+    observed: torch.Tensor  # [b, h, window, max(1, n_obs)] float32: attention statistics of the window ring
+    n_real: torch.Tensor  # [b] long: tokens each row has seen (the next token's index)
+    policy_state: object  # the policy's per-sequence state (Policy.init_state), None for most policies
 
 
 class KVpopLayer(CacheLayerMixin):
@@ -77,23 +94,52 @@ class KVpopLayer(CacheLayerMixin):
     # --- transformers' CacheLayerMixin -------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
-        cfg, dev = self.cfg, key_states.device
+        self.load(self.new_buffers(b, h, d, value_states.shape[-1], key_states.dtype, key_states.device))
+
+    def new_buffers(
+        self, batch: int, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype, device
+    ) -> LayerBuffers:
+        """Fresh (empty) buffers for ``batch`` new sequences of this layer: what the first update
+        allocates, and what a serving engine starts a new request's state from."""
+        cfg = self.cfg
         n = cfg.budget
-        # one extra "trash" slot at the end absorbs writes for padding tokens (no branching)
-        self._k = torch.zeros(b, h, n + 1, d, dtype=key_states.dtype, device=dev)
-        self._v = torch.zeros(b, h, n + 1, value_states.shape[-1], dtype=value_states.dtype, device=dev)
-        self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
-        # slot_index / lr_prio also carry a trash entry at the end, for branch-free rejected writes
-        self._slot_index = torch.full((b, h, n + 1), -1, dtype=torch.long, device=dev)
-        self._lr_prio = torch.full((b, h, cfg.k + 1), -math.inf, dtype=torch.float32, device=dev)
+        b, h = batch, kv_heads
+        return LayerBuffers(
+            # one extra "trash" slot at the end absorbs writes for padding tokens (no branching)
+            keys=torch.zeros(b, h, n + 1, head_dim, dtype=dtype, device=device),
+            values=torch.zeros(b, h, n + 1, value_dim, dtype=dtype, device=device),
+            # slot_index / lr_prio also carry a trash entry at the end, for branch-free rejected writes
+            slot_index=torch.full((b, h, n + 1), -1, dtype=torch.long, device=device),
+            lr_prio=torch.full((b, h, cfg.k + 1), -math.inf, dtype=torch.float32, device=device),
+            # per ring slot and observation window
+            observed=torch.zeros(b, h, cfg.window, max(1, len(self.obs_windows)), dtype=torch.float32, device=device),
+            n_real=torch.zeros(b, dtype=torch.long, device=device),
+            policy_state=self.policy.init_state(b, h, self.layer_idx, torch.device(device)),
+        )
+
+    def load(self, buffers: LayerBuffers) -> None:
+        """Make ``buffers`` this layer's state (the tensors themselves, not copies): the next
+        :meth:`attend` reads and updates them. With :meth:`buffers` this lets a caller keep each
+        sequence's state in its own memory (a serving engine's KV blocks) and run the layer's step
+        on any set of sequences: gather their state into ``LayerBuffers``, ``load``, ``attend``,
+        then write :meth:`buffers` back (which may be new tensor objects)."""
+        self._k, self._v = buffers.keys, buffers.values
+        self._slot_index, self._lr_prio = buffers.slot_index, buffers.lr_prio
         self._views()
-        self.min_real = 0  # fewest real tokens seen by any row (a Python int: no device sync on the hot path)
-        self.n_real = torch.zeros(b, dtype=torch.long, device=dev)
-        # per ring slot and observation window
-        self.observed = torch.zeros(b, h, cfg.window, max(1, len(self.obs_windows)), dtype=torch.float32, device=dev)
-        self.device = dev
-        self.policy_state = self.policy.init_state(b, h, self.layer_idx, dev)
+        self.n_real = buffers.n_real
+        self.min_real = int(buffers.n_real.min()) if buffers.n_real.numel() else 0  # a Python int: no sync on the hot path
+        self.observed = buffers.observed
+        self.device = buffers.keys.device
+        self.policy_state = buffers.policy_state
+        self._owned_state = None  # the fused step may update a state in place only after copying it (_attend_steady)
         self.is_initialized = True
+
+    def buffers(self) -> LayerBuffers:
+        """This layer's current state (the tensors themselves; see :meth:`load`)."""
+        if not self.is_initialized:
+            raise RuntimeError("this layer holds no state yet (it is created at the first update, or by load)")
+        return LayerBuffers(self._k, self._v, self._slot_index, self._lr_prio, self.observed, self.n_real,
+                            self.policy_state)  # fmt: skip
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Defer insertion to the attention call, which knows the queries and the padding mask."""
@@ -676,16 +722,19 @@ def make_cache(
     """A cache for ``model`` under ``policy``: ``None`` for ``"dense"`` (transformers' own cache).
 
     The one place that builds a cache from a policy name (``kvpop.generate``, the evaluation,
-    the benchmarks and the CLI all call it). Unlike ``KVpopCache(model.config, ...)`` it has the
-    model, so a learned policy also checks its checkpoint's weight hash, not only the config.
+    the benchmarks, the CLI and the vLLM plugin all call it). Unlike ``KVpopCache(model.config, ...)``
+    it has the model, so a learned policy also checks its checkpoint's weight hash, not only the
+    config. ``model`` may also be just a config (a ``PretrainedConfig``, e.g. a serving engine's,
+    which has no transformers model): then only the config part is checked, as by ``KVpopCache``.
     ``policy_kwargs`` go to the policy factory (e.g. ``path=`` a scorer checkpoint, ``seed=``).
     """
     if isinstance(policy, str) and policy == DENSE:
         return None
-    if isinstance(policy, str) and policy in LEARNED_POLICIES:
+    config = model if isinstance(model, PretrainedConfig) else model.config
+    if isinstance(policy, str) and policy in LEARNED_POLICIES and config is not model:
         policy_kwargs.setdefault("model", model)
     return KVpopCache(
-        model.config, budget, k=k, compression=compression, reference_length=reference_length, window=window,
+        config, budget, k=k, compression=compression, reference_length=reference_length, window=window,
         sinks=sinks, policy=policy, lam=lam, prefill_chunk=prefill_chunk, eviction=eviction, compile=compile,
         **policy_kwargs,
     )  # fmt: skip
