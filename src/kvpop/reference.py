@@ -15,6 +15,7 @@ import math
 import torch
 from transformers import AttentionInterface, DynamicCache
 
+from .compat import cache_kwargs
 from .config import EvictionConfig, attention_shape
 from .policies import ExitBatch, Policy
 
@@ -54,7 +55,7 @@ class MaskedReference:
         try:
             for i in range(input_ids.shape[1]):
                 self.t += 1
-                out = self.model(input_ids[:, i : i + 1], cache=cache, use_cache=True)
+                out = self.model(input_ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True)
                 logits.append(out.logits)
         finally:
             config._attn_implementation = previous

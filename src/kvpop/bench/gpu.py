@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from ..compat import cache_kwargs
 from .common import write_json
 
 SMOLLM2_135M = {  # the embedded model's architecture (its config.json, without the weights)
@@ -212,9 +213,9 @@ def parity_part(device: torch.device, *, policies=PARITY_POLICIES, budget: int =
                     if name.startswith("kvpop") else name
                 cache = make_cache(m, pol, budget=budget, compile=comp)
                 x = ids.to(dev)
-                logits = [m(x[:, :prompt], cache=cache).logits[:, -1].float().cpu()]
+                logits = [m(x[:, :prompt], **cache_kwargs(cache)).logits[:, -1].float().cpu()]
                 for t in range(prompt, prompt + steps):
-                    logits.append(m(x[:, t : t + 1], cache=cache).logits[:, -1].float().cpu())
+                    logits.append(m(x[:, t : t + 1], **cache_kwargs(cache)).logits[:, -1].float().cpu())
                 slots = torch.stack([layer.slot_index.cpu() for layer in cache.layers])
                 runs[label] = (torch.stack(logits), slots)
             except Exception as exc:  # noqa: BLE001
@@ -302,7 +303,7 @@ def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int
 
     def feed(cache, start: int, stop: int) -> None:
         for a in range(start, stop, prefill_chunk):
-            model(ids[:, a : min(stop, a + prefill_chunk)], cache=cache, logits_to_keep=1)
+            model(ids[:, a : min(stop, a + prefill_chunk)], **cache_kwargs(cache), logits_to_keep=1)
 
     state: dict[str, dict] = {}
     results = []
@@ -323,7 +324,7 @@ def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int
                 st["prefilled"] = target - st["pos"]
                 st["pos"] = target
                 t0 = time.perf_counter()
-                model(ids[:, st["pos"] : st["pos"] + 1], cache=st["cache"])  # first step (compiles, if asked)
+                model(ids[:, st["pos"] : st["pos"] + 1], **cache_kwargs(st["cache"]))  # first step (compiles, if asked)
                 _sync(device)
                 st["first_s"] = time.perf_counter() - t0
                 st["pos"] += 1
@@ -339,7 +340,7 @@ def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int
                 for _ in range(steps):
                     _sync(device)
                     t0 = time.perf_counter()
-                    model(ids[:, st["pos"] : st["pos"] + 1], cache=st["cache"])
+                    model(ids[:, st["pos"] : st["pos"] + 1], **cache_kwargs(st["cache"]))
                     _sync(device)
                     st["times"].append(time.perf_counter() - t0)
                     st["pos"] += 1

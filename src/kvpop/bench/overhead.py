@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..compat import cache_kwargs
 from .common import median, text_ids, write_json
 
 
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def prefill(cache, length: int) -> None:
         for start in range(0, length, 1024):
-            model(ids[:, start : min(length, start + 1024)], cache=cache, logits_to_keep=1)
+            model(ids[:, start : min(length, start + 1024)], **cache_kwargs(cache), logits_to_keep=1)
 
     rows: dict[str, dict] = {}
     floor_len = args.budget - total_steps - 1
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         prefill(cache, args.context)
         t0 = time.perf_counter()
-        model(ids[:, args.context : args.context + 1], cache=cache)  # the first steady step (compiles, if asked)
+        model(ids[:, args.context : args.context + 1], **cache_kwargs(cache))  # the first steady step (compiles, if asked)
         first = time.perf_counter() - t0
         for layer in cache.layers:
             layer.timer = {}
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows.values():
             for _ in range(args.steps):
                 t0 = time.perf_counter()
-                model(ids[:, r["pos"] : r["pos"] + 1], cache=r["cache"])
+                model(ids[:, r["pos"] : r["pos"] + 1], **cache_kwargs(r["cache"]))
                 r["times"].append(time.perf_counter() - t0)
                 r["pos"] += 1
     floor_ms = 1000 * median(rows["floor"]["times"])

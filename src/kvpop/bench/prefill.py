@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..compat import cache_kwargs
 from .common import cache_for_spec, median, text_ids, write_json
 
 
@@ -39,13 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     warmup: dict[str, float] = {}
     for spec in specs if args.warmup else ():
         t0 = time.perf_counter()
-        model(ids[:, : args.warmup], cache=cache_for_spec(model, spec))
+        model(ids[:, : args.warmup], **cache_kwargs(cache_for_spec(model, spec)))
         warmup[spec] = time.perf_counter() - t0
     for _ in range(args.repeats):
         for spec in specs:
             cache = cache_for_spec(model, spec)
             t0 = time.perf_counter()
-            model(ids, cache=cache)
+            model(ids, **cache_kwargs(cache))
             times[spec].append(time.perf_counter() - t0)
     dense = median(times["dense"]) if "dense" in times else None
     rows = []

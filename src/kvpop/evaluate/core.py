@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..cache import KVpopCache, make_cache
+from ..compat import cache_kwargs
 from ..config import EvictionConfig, attention_shape
 from ..policies import DENSE, POLICIES, TEACHER_FORCED_ONLY, policy_names
 
@@ -133,7 +134,7 @@ def hidden_states(model, input_ids: Tensor, cache=None) -> Tensor:
     dec, _ = _decoder_and_head(model)
     if dec is None:
         raise RuntimeError("model has no get_decoder()/get_output_embeddings(); cannot evaluate")
-    out = dec(input_ids=ids, cache=cache, use_cache=cache is not None)
+    out = dec(input_ids=ids, **cache_kwargs(cache), use_cache=cache is not None)
     return out.last_hidden_state[0]
 
 

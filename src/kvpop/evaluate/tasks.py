@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..compat import cache_kwargs
 from ..config import EvictionConfig
 from .core import DENSE, DenseCache, doc_key, policy_cache, teacher_forced
 
@@ -64,7 +65,7 @@ def greedy(
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
-        cache=cache,
+        **cache_kwargs(cache),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         temperature=None,
