@@ -10,7 +10,7 @@ import time
 from .policies import DEFAULT_POLICY, KIND_TO_POLICY, policy_names
 
 EVICTION_POLICIES = policy_names(teacher_forced=False)  # dense + every policy that can generate
-BENCHMARKS = ("targets", "generate", "overhead", "prefill", "gpu")
+BENCHMARKS = ("targets", "generate", "overhead", "prefill", "gpu", "vllm")
 DEMO_QUESTION = "In one sentence, what is the main advice of the essay above?"
 
 
@@ -229,6 +229,12 @@ def cmd_compare_adapted(rest: list[str]) -> int:
     return report_main(rest)
 
 
+def cmd_serve(rest: list[str]) -> int:
+    from .serving.vllm.serve import main as serve_main
+
+    return serve_main(rest)
+
+
 def cmd_eval(rest: list[str]) -> int:
     from .evaluate.cli import main as eval_main
 
@@ -281,15 +287,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("diagnose", help="diagnostics of the learned scorer (see `kvpop diagnose noisy-oracle --help`)",
                    add_help=False)  # fmt: skip
     sub.add_parser("eval", help="evaluate policies and budgets (see `kvpop eval --help`)", add_help=False)
+    sub.add_parser("serve", add_help=False,
+                   help="vLLM's OpenAI-compatible server with kvpop layers (needs kvpop[vllm]; see `kvpop serve --help`)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("train", "eval", "diagnose", "adapt", "compare-adapted"):
+    if argv and argv[0] in ("train", "eval", "diagnose", "adapt", "compare-adapted", "serve"):
         run = {"train": cmd_train, "eval": cmd_eval, "diagnose": cmd_diagnose, "adapt": cmd_adapt,
-               "compare-adapted": cmd_compare_adapted}[argv[0]]
+               "compare-adapted": cmd_compare_adapted, "serve": cmd_serve}[argv[0]]
         return run(argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:  # the benchmark parses (and --help) its own options
         return cmd_bench(argv[1], argv[2:])
