@@ -56,3 +56,40 @@ def test_build_cache_is_kvpop_cache_and_leaves_the_config_alone():
         assert cache.eviction == want.eviction and type(cache.policy) is type(want.policy)
         assert len(cache.layers) == cfg.num_hidden_layers
     assert cfg._attn_implementation == before  # the served model's config is not routed through kvpop
+
+
+def _engine_config(**over):
+    """A stand-in for vLLM's VllmConfig: only what the plugin's engine check reads."""
+    from types import SimpleNamespace as NS
+
+    cfg = NS(
+        model_config=NS(hf_config=tiny_config()),
+        speculative_config=None,
+        cache_config=NS(cache_dtype="auto", enable_prefix_caching=False),
+        parallel_config=NS(
+            tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1
+        ),
+        kv_transfer_config=None,
+        lora_config=None,
+    )
+    for key, value in over.items():
+        obj, _, attr = key.rpartition(".")
+        setattr(getattr(cfg, obj) if obj else cfg, attr, value)
+    return cfg
+
+
+def test_engine_options_kvpop_cannot_serve_are_refused_together():
+    from kvpop.serving.vllm import check_engine
+
+    settings = ServeSettings.from_additional_config({"kvpop": {"budget": 32, "policy": "h2o"}})
+    check_engine(_engine_config(), settings)  # plain: fine
+    bad = _engine_config(**{"speculative_config": object(), "cache_config.cache_dtype": "fp8",
+                            "parallel_config.tensor_parallel_size": 2, "lora_config": object(),
+                            "kv_transfer_config": object()})  # fmt: skip
+    with pytest.raises(SettingsError) as err:
+        check_engine(bad, settings)
+    msg = str(err.value)
+    for word in ("speculative decoding", "kv_cache_dtype='fp8'", "tensor_parallel_size=2", "LoRA", "KV transfer"):
+        assert word in msg, msg
+    with pytest.raises(SettingsError, match="budget"):  # the settings against the model, too
+        check_engine(_engine_config(), ServeSettings.from_additional_config({"kvpop": {"budget": 0}}))

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from .settings import KEY, ServeSettings, SettingsError
 
-__all__ = ["KEY", "ServeSettings", "SettingsError", "register"]
+__all__ = ["KEY", "ServeSettings", "SettingsError", "check_engine", "register"]
 
 _MARK = "kvpop_plugin_installed"
 
@@ -61,7 +61,7 @@ def register() -> None:
         base_check(vllm_config)
         settings = ServeSettings.from_additional_config(vllm_config.additional_config)
         if settings is not None:
-            _check_engine(vllm_config, settings)
+            check_engine(vllm_config, settings)
 
     current_platform.get_attn_backend_cls = get_attn_backend_cls
     current_platform.check_and_update_config = check_and_update_config
@@ -86,10 +86,9 @@ def _check_layer(sel) -> None:
         raise ValueError(f"kvpop serves decoder full-attention layers; this model has a layer with {', '.join(found)}")
 
 
-def _check_engine(vllm_config, settings: ServeSettings) -> None:
-    """Engine options kvpop cannot serve, checked before any model loads; prefix caching goes off."""
-    from vllm.logger import init_logger
-
+def check_engine(vllm_config, settings: ServeSettings) -> None:
+    """Engine options kvpop cannot serve, checked before any model loads (one ``SettingsError`` naming
+    them all); prefix caching goes off. Called by the plugin for every engine config with the key."""
     where = f"additional_config[{KEY!r}]"
     model = vllm_config.model_config
     if model is None:
@@ -106,10 +105,14 @@ def _check_engine(vllm_config, settings: ServeSettings) -> None:
                  "prefill_context_parallel_size"):  # fmt: skip
         if getattr(par, name, 1) > 1:
             problems.append(f"{name}={getattr(par, name)} (kvpop runs on one worker)")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        problems.append("KV transfer / offloading connectors (a page is kvpop's own state, not vLLM's token blocks)")
     if vllm_config.lora_config is not None:
         problems.append("LoRA adapters (merge an adapter into the model folder instead)")
     if problems:
         raise SettingsError(f"{where} is set, and kvpop does not support {'; '.join(problems)}")
     if vllm_config.cache_config.enable_prefix_caching:
         vllm_config.cache_config.enable_prefix_caching = False
+        from vllm.logger import init_logger
+
         init_logger(__name__).info("kvpop: prefix caching is off (a request's cache is its own bounded state)")
