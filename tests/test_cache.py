@@ -253,9 +253,9 @@ def test_learned_policy_defaults_to_its_trained_window_and_lam_and_warns_on_othe
 
 @pytest.mark.parametrize("policy", ["h2o", "kvpop+"])
 def test_layer_state_moved_out_and_back_in_equals_the_layer(policy):
-    """``KVpopLayer.buffers`` / ``load`` (what a serving engine uses to keep each sequence's state in
-    its own memory): copying every layer's state out and loading the copies back before each step
-    changes nothing, and ``load`` takes the tensors themselves."""
+    """``KVpopLayer.buffers`` / ``unload`` / ``load`` (what a serving engine uses to keep each
+    sequence's state in its own memory): taking every layer's state out, copying it and loading the
+    copies back before each step changes nothing, and ``load`` takes the tensors themselves."""
     from dataclasses import fields
 
     from kvpop.cache import LayerBuffers
@@ -271,7 +271,9 @@ def test_layer_state_moved_out_and_back_in_equals_the_layer(policy):
         outs = [model(ids[:, :20], past_key_values=moved).logits]
         for i in range(20, ids.shape[1]):
             for layer in moved.layers:
-                buf = layer.buffers()
+                assert layer.buffers().keys is layer.buffers().keys  # the tensors themselves, not copies
+                buf = layer.unload()  # handed back, and the layer holds nothing any more
+                assert not layer.is_initialized and layer.keys is None and layer.policy_state is None
                 copy = LayerBuffers(*(map_state(getattr(buf, f.name), torch.clone) for f in fields(LayerBuffers)))
                 layer.load(copy)
                 assert layer.buffers().keys is copy.keys and layer.buffers().policy_state is copy.policy_state

@@ -138,6 +138,8 @@ def test_paged_engine_equals_kvpop_cache_per_request(policy):
     lengths = [(23, 44), (41, 55), (9, 40)]  # (prompt, total): prompts shorter and longer than B = 16
     requests = [(torch.randint(3, 128, (1, total), generator=g), prompt) for prompt, total in lengths]
     eng, pages, got = _run_engine(model, pol, eviction, requests, seed=5)
+    # between steps a request's state is its pages only: no layer keeps the gathered copies
+    assert all(not layer.is_initialized and layer.keys is None for layer in eng.cache.layers)
     for (ids, prompt_len), page, lg in zip(requests, pages, got):
         want, cache = _reference(model, pol, eviction, ids, prompt_len)
         torch.testing.assert_close(lg, want, atol=2e-5, rtol=2e-5)

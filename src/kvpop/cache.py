@@ -141,6 +141,17 @@ class KVpopLayer(CacheLayerMixin):
         return LayerBuffers(self._k, self._v, self._slot_index, self._lr_prio, self.observed, self.n_real,
                             self.policy_state)  # fmt: skip
 
+    def unload(self) -> LayerBuffers:
+        """:meth:`buffers`, and the layer lets go of them (it is then as before its first update): a
+        caller that keeps the state elsewhere writes it back and leaves no copy behind in the layer."""
+        buffers = self.buffers()
+        self._k = self._v = self._slot_index = self._lr_prio = None
+        self.keys = self.values = self.slot_index = self.lr_prio = None
+        self.observed = self.n_real = self.policy_state = None
+        self._bound = self._owned_state = None
+        self.is_initialized = False
+        return buffers
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Defer insertion to the attention call, which knows the queries and the padding mask."""
         if not self.is_initialized:

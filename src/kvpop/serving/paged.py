@@ -302,6 +302,9 @@ def step_layer(
                     kc = key[a:b].transpose(0, 1).unsqueeze(0)
                     vc = value[a:b].transpose(0, 1).unsqueeze(0)
                     out[a:b] = layer.attend(qc, kc, vc, None, scaling)[0].to(out.dtype)
-            layout.write(pool, g.pages, layer.buffers(), before)
+            # the layer lets go of the gathered copies: between steps a request's state is its pages only
+            layout.write(pool, g.pages, layer.unload(), before)
     finally:
         layer.fast_decode = True
+        if layer.is_initialized:  # an error mid-step: drop the copies all the same
+            layer.unload()
