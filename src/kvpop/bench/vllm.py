@@ -4,8 +4,8 @@ Needs vLLM (``pip install kvpop[vllm]``, see docs/serving.md). Everything is rea
 side by side in one run, each engine in its own process:
 
 * **admission**: at one KV cache space (``--kv-space-mib``, vLLM's ``kv_cache_memory_bytes``, which
-  ``VLLM_CPU_KVCACHE_SPACE`` sets in whole GiB), requests of ``L`` prompt tokens (``--lengths``)
-  are submitted, more than fit, and the engine is stepped until all are done. Admitted
+  ``VLLM_CPU_KVCACHE_SPACE`` sets in whole GiB), requests of ``L`` tokens (``--lengths``: prompt
+  and new tokens) are submitted, more than fit, and the engine is stepped until all are done. Admitted
   concurrency is the largest number of requests that produce a token in the same step (every one
   of them holds its whole context in vLLM's KV blocks at that moment); vLLM's block count, its KV
   usage gauge at that step and its preemption counter are recorded with it.
@@ -32,7 +32,7 @@ from pathlib import Path
 from .common import median, write_json
 
 DENSE = "dense"
-MAX_NEW = 256  # admission: new tokens per request at most (and the engines' max_model_len = max L + this)
+MAX_NEW = 256  # admission: new tokens per request at most
 
 
 def _metrics(llm) -> dict[str, float]:
@@ -95,41 +95,38 @@ def worker(args, part: str, mode: str) -> dict:
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     t_start = time.perf_counter()
     if part == "admission":
-        max_len = max(args.lengths) + MAX_NEW
-        llm = _engine(args, mode, args.kv_space_mib, max_len)
+        llm = _engine(args, mode, args.kv_space_mib, max(args.lengths))
         cache = llm.llm_engine.vllm_config.cache_config
         blocks, block_size = cache.num_gpu_blocks, cache.block_size
         rows = []
         for length in args.lengths:
-            # vLLM's block arithmetic says how many fit: submit two more than that
-            per_request = 1 if mode != DENSE else math.ceil((length + 1) / block_size)
-            fit = min(blocks // per_request, 256)
+            # vLLM's block arithmetic says how many fit (one block is vLLM's null block): submit two more
+            per_request = 1 if mode != DENSE else math.ceil(length / block_size)
+            fit = min((blocks - 1) // per_request, 256)
             count = fit + 2
-            # enough new tokens that the first admitted is still decoding when the last admitted starts
-            prefill_steps = math.ceil(count * length / args.batched_tokens)
-            max_tokens = min(prefill_steps + 8, MAX_NEW)
+            # a request is `length` tokens in all: its prompt and enough new tokens that the first
+            # admitted is still decoding when the last admitted starts
+            max_tokens = min(math.ceil(count * length / args.batched_tokens) + 8, MAX_NEW)
             before = _metrics(llm).get("num_preemptions", 0.0)
-            steps = _run(llm, _prompts(tok, count, length), max_tokens)
+            steps = _run(llm, _prompts(tok, count, length - max_tokens), max_tokens)
             peak = max(steps, key=lambda s: s["produced"])
             rows.append({
-                "length": length, "submitted": count, "max_tokens": max_tokens,
+                "length": length, "prompt": length - max_tokens, "max_tokens": max_tokens, "submitted": count,
                 "admitted": peak["produced"], "kv_usage_at_peak": peak.get("kv_cache_usage_perc"),
                 "running_at_peak": peak.get("num_requests_running"), "waiting_at_peak": peak.get("num_requests_waiting"),
                 "preemptions": steps[-1].get("num_preemptions", 0.0) - before,
-                "blocks_per_request": per_request, "vllm_block_estimate": blocks // per_request,
+                "blocks_per_request": per_request, "vllm_block_estimate": fit,
                 "seconds": sum(s["seconds"] for s in steps),
             })  # fmt: skip
         out = {"num_blocks": blocks, "block_size": block_size, "rows": rows}
     else:
-        max_len = args.throughput_length + args.decode_steps + math.ceil(
-            max(args.concurrency) * args.throughput_length / args.batched_tokens) + 2
-        llm = _engine(args, mode, args.throughput_space_mib, max_len, compile_=not args.no_compile)
+        llm = _engine(args, mode, args.throughput_space_mib, args.throughput_length, compile_=not args.no_compile)
         rows = []
         for count in args.concurrency:
             # the first request decodes while the others prefill: enough new tokens that all of them
-            # then decode together for --decode-steps steps
-            prefill_steps = math.ceil(count * args.throughput_length / args.batched_tokens)
-            steps = _run(llm, _prompts(tok, count, args.throughput_length), args.decode_steps + prefill_steps + 2)
+            # then decode together for --decode-steps steps; prompt + new tokens = --throughput-length
+            new = args.decode_steps + math.ceil(count * args.throughput_length / args.batched_tokens) + 2
+            steps = _run(llm, _prompts(tok, count, args.throughput_length - new), new)
             # decode steps: every request produces a token (the first such step may still hold the
             # last prefill chunk: left out)
             dec = [s for s in steps if s["produced"] == count][1:]
@@ -232,6 +229,13 @@ def main(argv=None) -> int:
     model_dir = args.model or str(convert_gguf(default_gguf_path(), progress=False))
     if not Path(model_dir, "config.json").is_file():
         raise SystemExit(f"--model must be a model folder with config.json, got {model_dir!r}")
+    limit = json.loads(Path(model_dir, "config.json").read_text()).get("max_position_embeddings")
+    longest = max(*args.lengths, args.throughput_length)
+    if limit is not None and longest > limit:
+        raise SystemExit(f"--lengths / --throughput-length reach {longest} tokens; the model has max_position_embeddings={limit}")
+    if min(args.lengths) <= MAX_NEW or args.throughput_length <= 2 * args.decode_steps:
+        raise SystemExit(f"--lengths must exceed {MAX_NEW} and --throughput-length 2 x --decode-steps (a request's "
+                         "length is its prompt and its new tokens)")  # fmt: skip
     t0 = time.perf_counter()
     results = {"model": model_dir, "policy": args.policy, "budget": args.budget, "kv_space_mib": args.kv_space_mib,
                "throughput_space_mib": args.throughput_space_mib, "throughput_length": args.throughput_length,
