@@ -21,6 +21,7 @@ from kvpop.adapters import (
     teacher_mode,
 )
 from kvpop.checkpoint import model_fingerprint
+from kvpop.compat import cache_kwargs
 from kvpop.mask import learned_priority_fn, masked_eviction
 from kvpop.policies import LearnedPolicy
 from kvpop.scorers import ScorerConfig, build_scorer
@@ -179,7 +180,7 @@ def test_lora_gradients_under_masked_eviction():
     model.eval()
     with torch.no_grad():
         cache = kvpop.KVpopCache(model.config, budget=20, window=6, sinks=2, policy=LearnedPolicy(scorer), lam=0.01)
-        ref = model(input_ids=IDS, cache=cache, use_cache=True).logits
+        ref = model(input_ids=IDS, **cache_kwargs(cache), use_cache=True).logits
     torch.testing.assert_close(student.detach(), ref, rtol=1e-5, atol=1e-5)
 
 

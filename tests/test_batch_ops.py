@@ -11,6 +11,7 @@ import torch
 
 import kvpop.rule
 from kvpop import KVpopCache
+from kvpop.compat import cache_kwargs
 from kvpop.policies import LearnedPolicy, SnapKVPolicy, get_policy
 from kvpop.scorers import ScorerConfig, build_scorer
 from kvpop.testing import tiny_model
@@ -34,8 +35,8 @@ def _ids(n, seed, vocab=128):
 def _run_alone(model, policy, prefix, cont, **kw):
     """Logits of prefix (one chunk) then cont token by token, in a fresh cache: [1, len(cont) + 1, V]."""
     cache = KVpopCache(model.config, policy=policy, **(kw or KW))
-    out = [model(prefix, cache=cache).logits[:, -1:]]
-    out += [model(cont[:, i : i + 1], cache=cache).logits for i in range(cont.shape[1])]
+    out = [model(prefix, **cache_kwargs(cache)).logits[:, -1:]]
+    out += [model(cont[:, i : i + 1], **cache_kwargs(cache)).logits for i in range(cont.shape[1])]
     return torch.cat(out, 1)
 
 
@@ -47,11 +48,11 @@ def test_batch_repeat_interleave_and_select_keep_every_row_exact(policy):
     cont = torch.randint(3, 128, (6, 20), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         cache = KVpopCache(model.config, policy=pol, **KW)
-        first = model(torch.cat([a, b, c]), cache=cache).logits[:, -1:]
+        first = model(torch.cat([a, b, c]), **cache_kwargs(cache)).logits[:, -1:]
         cache.batch_repeat_interleave(2)  # rows a a b b c c
         cache.batch_select_indices(torch.tensor([5, 0, 3, 1]))  # rows c a b a
         prefixes = [c, a, b, a]
-        got = torch.cat([first[[2, 0, 1, 0]], *(model(cont[:4, i : i + 1], cache=cache).logits for i in range(20))], 1)
+        got = torch.cat([first[[2, 0, 1, 0]], *(model(cont[:4, i : i + 1], **cache_kwargs(cache)).logits for i in range(20))], 1)
     for row, prefix in enumerate(prefixes):
         ref = _run_alone(model, pol, prefix, cont[row : row + 1])
         torch.testing.assert_close(got[row : row + 1], ref, rtol=1e-4, atol=1e-4)
@@ -69,8 +70,8 @@ def test_shared_policy_instance_in_two_caches_with_different_windows():
         la, lb = [], []
         with torch.no_grad():
             for i in range(40):  # interleaved: a step of a, then a step of b
-                la.append(model(a[:, i : i + 1], cache=ca).logits)
-                lb.append(model(b[:, i : i + 1], cache=cb).logits)
+                la.append(model(a[:, i : i + 1], **cache_kwargs(ca)).logits)
+                lb.append(model(b[:, i : i + 1], **cache_kwargs(cb)).logits)
         ref_a = _run_alone(model, fresh(), a[:, :1], a[:, 1:], **kw_a)
         ref_b = _run_alone(model, fresh(), b[:, :1], b[:, 1:], **kw_b)
         torch.testing.assert_close(torch.cat(la, 1), ref_a, rtol=1e-4, atol=1e-4)
@@ -85,7 +86,7 @@ def test_beam_search_scores_equal_each_beam_run_alone(policy):
     prompts = torch.cat([_ids(24, 8), _ids(24, 9)])
     n = 12
     cache = KVpopCache(model.config, policy=pol, **KW)
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), cache=cache, num_beams=3,
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **cache_kwargs(cache), num_beams=3,
                          num_return_sequences=2, max_new_tokens=n, min_new_tokens=n, length_penalty=0.0,
                          do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
     seqs = out.sequences
@@ -104,7 +105,7 @@ def test_num_return_sequences_rows_equal_each_sequence_alone():
     n = 14
     torch.manual_seed(0)
     cache = KVpopCache(model.config, policy=pol, **KW)
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), cache=cache, do_sample=True,
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **cache_kwargs(cache), do_sample=True,
                          num_return_sequences=3, max_new_tokens=n, min_new_tokens=n, top_k=0,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
     got = torch.stack(out.logits, 1)  # [6, n, V]
@@ -121,10 +122,10 @@ def test_reset_restarts_policy_state():
     a, b = _ids(30, 12), _ids(30, 13)
     cache = KVpopCache(model.config, policy=pol, **KW)
     with torch.no_grad():
-        model(a, cache=cache)
+        model(a, **cache_kwargs(cache))
         cache.reset()
-        got = torch.cat([model(b[:, :10], cache=cache).logits[:, -1:]]
-                        + [model(b[:, i : i + 1], cache=cache).logits for i in range(10, 30)], 1)  # fmt: skip
+        got = torch.cat([model(b[:, :10], **cache_kwargs(cache)).logits[:, -1:]]
+                        + [model(b[:, i : i + 1], **cache_kwargs(cache)).logits for i in range(10, 30)], 1)  # fmt: skip
     torch.testing.assert_close(got, _run_alone(model, pol, b[:, :10], b[:, 10:]), rtol=1e-4, atol=1e-4)
 
 
@@ -143,15 +144,15 @@ def test_decode_fast_path_decides_through_the_rule(monkeypatch):
     ids = _ids(40, 14)
     cache = KVpopCache(model.config, policy="knorm", **KW)
     with torch.no_grad():
-        model(ids[:, :7], cache=cache)  # not full yet: the general path decides the next exits
+        model(ids[:, :7], **cache_kwargs(cache))  # not full yet: the general path decides the next exits
         for i in range(7, 40):
-            model(ids[:, i : i + 1], cache=cache)
+            model(ids[:, i : i + 1], **cache_kwargs(cache))
     assert calls["decide_one"] > 0 and calls["decide_one_full"] > 0
     # a rule that always evicts the exiting token leaves the long-range slots as they were when they filled
     monkeypatch.setattr(kvpop.rule, "decide_one_full", lambda p, i, ep, ei: (i.argmax(-1), torch.zeros_like(ep, dtype=torch.bool)))
     frozen = KVpopCache(model.config, policy="knorm", **KW)
     with torch.no_grad():
         for i in range(40):
-            model(ids[:, i : i + 1], cache=frozen)
+            model(ids[:, i : i + 1], **cache_kwargs(frozen))
     lr = frozen.layers[0].slot_index[0, :, 6:]
     assert lr.max() < 2 + 4 + 8 + 4  # nothing that exited after the slots filled was kept

@@ -339,3 +339,29 @@ def test_physical_cache_with_a_recency_tilt_equals_masked_reference(policy):
     flat = KVpopCache(model.config, budget=20, window=6, sinks=2, lam=0.0, policy=_policy(policy, model))
     _kvpop_logits(model, ids, flat, prefill=40)
     assert not torch.equal(flat.layers[1].slot_index.sort(-1).values, cache.layers[1].slot_index.sort(-1).values)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "kvpop+"])
+def test_layer_state_moved_out_and_back_in_equals_the_layer(policy):
+    """``KVpopLayer.unload`` / ``load`` (what a serving engine uses to keep each sequence's state in its
+    own memory): taking every layer's state out, copying it and loading the copies back before each
+    step changes nothing, and ``load`` takes the tensors themselves."""
+    model = tiny_model()
+    ids = _unique_ids(60)
+    pol = _policy(policy, model)
+    plain = KVpopCache(model.config, budget=24, window=8, policy=pol)
+    moved = KVpopCache(model.config, budget=24, window=8, policy=pol)
+    with torch.no_grad():
+        want = _kvpop_logits(model, ids, plain, prefill=20)
+        outs = [model(ids[:, :20], past_key_values=moved).logits]
+        for i in range(20, ids.shape[1]):
+            for layer in moved.layers:
+                state = layer.unload()  # handed back, and the layer holds nothing any more
+                assert not layer.is_initialized and layer.keys is None and layer.state is None
+                copy = state.map_rows(lambda t, _: t.clone())
+                layer.load(copy)
+                assert layer.state is copy and layer.keys.data_ptr() == copy.k.data_ptr()
+            outs.append(model(ids[:, i : i + 1], past_key_values=moved).logits)
+    assert torch.equal(torch.cat(outs, 1), want)
+    for a, b in zip(plain.layers, moved.layers):
+        assert torch.equal(a.slot_index, b.slot_index)

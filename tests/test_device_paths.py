@@ -11,6 +11,7 @@ import torch
 
 from kvpop import cache as cache_mod
 from kvpop import make_cache
+from kvpop.compat import cache_kwargs
 from kvpop.policies.base import Policy
 from kvpop.testing import random_learned_policy, tiny_model
 
@@ -21,8 +22,8 @@ def _ids(n: int, batch: int = 2) -> torch.Tensor:
 
 
 def _run(model, cache, ids, prefill):
-    outs = [model(ids[:, :prefill], cache=cache).logits[:, -1:]]
-    outs += [model(ids[:, i : i + 1], cache=cache).logits for i in range(prefill, ids.shape[1])]
+    outs = [model(ids[:, :prefill], **cache_kwargs(cache)).logits[:, -1:]]
+    outs += [model(ids[:, i : i + 1], **cache_kwargs(cache)).logits for i in range(prefill, ids.shape[1])]
     return torch.cat(outs, 1)
 
 
@@ -85,11 +86,11 @@ def test_nan_scores_are_caught_on_the_steady_path():
     ids = _ids(40 + 2 * cache_mod.NAN_CHECK_EVERY, batch=1)
     policy = _NaNAfter(after=10**9)
     cache = make_cache(model, policy, budget=16)
-    model(ids[:, :40], cache=cache)
+    model(ids[:, :40], **cache_kwargs(cache))
     policy.after = policy.calls  # NaN from the next call on
     with pytest.raises(RuntimeError, match="NaN scores"):
         for i in range(40, ids.shape[1]):
-            model(ids[:, i : i + 1], cache=cache)
+            model(ids[:, i : i + 1], **cache_kwargs(cache))
     assert i < 40 + cache_mod.NAN_CHECK_EVERY + 1
 
 

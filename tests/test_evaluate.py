@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvpop import EvictionConfig, KVpopCache
+from kvpop.compat import cache_kwargs
 from kvpop.evaluate import (
     DenseCache,
     EvalConfig,
@@ -94,7 +95,7 @@ def test_one_forward_equals_token_by_token(policy):
         dl = model(ids.view(1, -1)).logits[0]
         oracle = oracle_targets_multi(model, ids, [6]) if policy == "oracle" else None
         cache = build_cache(model, policy, 24, window=6, sinks=2, oracle=oracle)
-        pl = torch.cat([model(ids.view(1, -1)[:, i : i + 1], cache=cache).logits[0] for i in range(70)])
+        pl = torch.cat([model(ids.view(1, -1)[:, i : i + 1], **cache_kwargs(cache)).logits[0] for i in range(70)])
     ref = sums_from_logits(dl[24:69], pl[24:69], ids[25:70]).metrics()
     assert ref["retention"] != pytest.approx(1.0, abs=1e-6)  # eviction changed something
     for k in ("nll_dense", "nll_policy", "retention", "kl", "top1_agreement"):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import kvpop
 from kvpop.capture import collect
+from kvpop.compat import cache_kwargs
 from kvpop.mask import (
     MASK_ATTN_NAME,
     learned_priority_fn,
@@ -128,8 +129,8 @@ def _cache_logits(
 ):
     cache = kvpop.KVpopCache(model.config, budget=budget, window=window, sinks=sinks, policy=policy, lam=lam)
     if not stepwise:
-        return model(input_ids=ids, attention_mask=attention_mask, cache=cache, use_cache=True).logits
-    outs = [model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(ids.shape[1])]
+        return model(input_ids=ids, attention_mask=attention_mask, **cache_kwargs(cache), use_cache=True).logits
+    outs = [model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits for i in range(ids.shape[1])]
     return torch.cat(outs, 1)
 
 
@@ -280,7 +281,7 @@ def test_keep_leave_and_restore():
     assert st_.leave[0].shape == (1, 2, 32)
     past = model(input_ids=ids[:, :8], use_cache=True).past_key_values
     with pytest.raises(RuntimeError, match="cache-free"), masked_eviction(model, None, sinks=1, window=4, k=0):
-        model(input_ids=ids[:, 8:9], cache=past, use_cache=True)
+        model(input_ids=ids[:, 8:9], **cache_kwargs(past), use_cache=True)
     assert model.config._attn_implementation == before
     with pytest.raises(ValueError, match="priority_fn"), masked_eviction(model, None, sinks=1, window=4, k=2):
         pass

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvpop import make_cache
+from kvpop.compat import cache_kwargs
 from kvpop.policies import POLICIES, LearnedPolicy, PolicyKernels, RandomPolicy, get_policy
 from kvpop.testing import random_learned_policy, tiny_model
 
@@ -42,7 +43,7 @@ def test_a_resolved_policy_is_reused_without_loading_or_hashing(monkeypatch):
     caches = [make_cache(model, policy, budget=20, window=6, sinks=2) for _ in range(3)]
     with torch.no_grad():
         for cache in caches:
-            model(ids, cache=cache)
+            model(ids, **cache_kwargs(cache))
     kernels = [c.prepared.on(torch.device("cpu")) for c in caches]
     assert all(isinstance(k, PolicyKernels) for k in kernels) and len({id(k) for k in kernels}) == 3
     assert kernels[0].scorer is policy.scorer  # on its own device: the scorer itself, no copy

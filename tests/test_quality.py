@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvpop import make_cache
+from kvpop.compat import cache_kwargs
 from kvpop.quality import (
     DenseCache,
     Probe,
@@ -58,7 +59,7 @@ def test_one_forward_equals_token_by_token(model):
                                                                                 sinks=2)), 24)  # fmt: skip
     cache = make_cache(model, "h2o", budget=24, window=8, sinks=2)
     with torch.no_grad():
-        steps = torch.cat([model.model(input_ids=ids.view(1, -1)[:, i : i + 1], cache=cache,
+        steps = torch.cat([model.model(input_ids=ids.view(1, -1)[:, i : i + 1], **cache_kwargs(cache),
                                        use_cache=True).last_hidden_state[0] for i in range(90)])  # fmt: skip
     tok = score_document(model, ids, dense, steps, 24)
     assert one.lm.retention == pytest.approx(tok.lm.retention, rel=1e-5)

@@ -9,6 +9,7 @@ import torch
 
 import kvpop
 from kvpop import KVpopCache
+from kvpop.compat import cache_kwargs
 from kvpop.testing import tiny_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -28,14 +29,14 @@ def test_cache_from_another_model_instance_is_refused():
     m1, m2 = tiny_model("llama"), tiny_model("llama")
     cache = KVpopCache(m1.config, budget=24, window=6, sinks=2, policy="h2o")
     with pytest.raises(RuntimeError, match="another model's config"):
-        m2.generate(_ids(40), cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        m2.generate(_ids(40), **cache_kwargs(cache), max_new_tokens=4, do_sample=False, pad_token_id=0)
 
 
 def test_cache_from_another_one_layer_model_is_refused_at_the_next_forward():
     m1, m2 = tiny_model("llama", num_hidden_layers=1), tiny_model("llama", num_hidden_layers=1)
     cache = KVpopCache(m1.config, budget=24, window=6, sinks=2, policy="h2o")
     with pytest.raises(RuntimeError, match="another model's config"):
-        m2.generate(_ids(40), cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        m2.generate(_ids(40), **cache_kwargs(cache), max_new_tokens=4, do_sample=False, pad_token_id=0)
 
 
 def test_layer_count_mismatch_is_a_clear_error():
@@ -44,13 +45,13 @@ def test_layer_count_mismatch_is_a_clear_error():
     cache = KVpopCache(small.config, budget=24, window=6, sinks=2, policy="h2o")
     routes_big = KVpopCache(big.config, budget=24, window=6, sinks=2, policy="h2o")  # routes big's attention while it lives
     with pytest.raises(ValueError, match="2 layers.*layer 2"), torch.no_grad():
-        big(_ids(30), cache=cache)
+        big(_ids(30), **cache_kwargs(cache))
     del routes_big
     cache = KVpopCache(big.config, budget=24, window=6, sinks=2, policy="h2o")  # 3 layers on a 2-layer model
     with torch.no_grad(), kvpop.routed(small):  # small's own cache is gone: route its attention for the block
-        small(_ids(30), cache=cache)
+        small(_ids(30), **cache_kwargs(cache))
         with pytest.raises(ValueError, match="3 layers.*only 2"):
-            small(_ids(1), cache=cache)
+            small(_ids(1), **cache_kwargs(cache))
 
 
 def test_head_shape_mismatch_is_a_clear_error():
@@ -59,14 +60,14 @@ def test_head_shape_mismatch_is_a_clear_error():
     cache = KVpopCache(a.config, budget=24, window=6, sinks=2, policy="h2o")
     routes_b = KVpopCache(b.config, budget=24, window=6, sinks=2, policy="h2o")  # routes b's attention while it lives
     with pytest.raises(ValueError, match="KV heads"), torch.no_grad():
-        b(_ids(30), cache=cache)
+        b(_ids(30), **cache_kwargs(cache))
     del routes_b
 
 
 def test_same_model_still_works_after_the_checks():
     model = tiny_model("llama")
     cache = KVpopCache(model.config, budget=24, window=6, sinks=2, policy="h2o")
-    out = model.generate(_ids(40), cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    out = model.generate(_ids(40), **cache_kwargs(cache), max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape[1] == 44 and cache.get_seq_length() == 43
 
 
@@ -78,12 +79,12 @@ def test_use_cache_false_with_a_kvpop_cache_is_refused(arch):
     model = tiny_model(arch)
     cache = KVpopCache(model.config, budget=24, window=6, sinks=2, policy="h2o")
     with pytest.raises(ValueError, match="use_cache=False"):
-        model.generate(_ids(30), cache=cache, use_cache=False, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        model.generate(_ids(30), **cache_kwargs(cache), use_cache=False, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert cache.get_seq_length() == 0  # refused before anything was inserted
     with pytest.raises(ValueError, match="use_cache=False"), torch.no_grad():
-        model(_ids(30), cache=cache, use_cache=False)
+        model(_ids(30), **cache_kwargs(cache), use_cache=False)
     with torch.no_grad():
-        model(_ids(30), cache=cache, use_cache=True)  # still usable
+        model(_ids(30), **cache_kwargs(cache), use_cache=True)  # still usable
     assert cache.get_seq_length() == 30
 
 
@@ -101,8 +102,8 @@ def test_kvpop_generate_refuses_use_cache_false():
 
 @torch.no_grad()
 def _decode(model, cache, ids, prefill):
-    outs = [model(ids[:, :prefill], cache=cache).logits[:, -1:]]
-    outs += [model(ids[:, i : i + 1], cache=cache).logits for i in range(prefill, ids.shape[1])]
+    outs = [model(ids[:, :prefill], **cache_kwargs(cache)).logits[:, -1:]]
+    outs += [model(ids[:, i : i + 1], **cache_kwargs(cache)).logits for i in range(prefill, ids.shape[1])]
     return torch.cat(outs, 1)
 
 
@@ -195,7 +196,7 @@ def test_two_threads_compiling_at_once_keep_compilation_on(monkeypatch):
             with warnings.catch_warnings():
                 warnings.simplefilter("error", RuntimeWarning)  # a failed compile warns: make it an error
                 with torch.no_grad():
-                    results[i] = torch.cat([models[i](ids[:, j : j + 1], cache=caches[i]).logits for j in range(30, 34)], 1)
+                    results[i] = torch.cat([models[i](ids[:, j : j + 1], **cache_kwargs(caches[i])).logits for j in range(30, 34)], 1)
         except Exception as exc:  # noqa: BLE001 (reported below)
             errors.append(exc)
 
@@ -231,8 +232,8 @@ def test_a_learned_policy_keeps_one_scorer_per_device():
     cpu, meta = torch.device("cpu"), torch.device("meta")
     cache = KVpopCache(model.config, policy=policy, **kw)
     with torch.no_grad():
-        first = [model(ids[:, :30], cache=cache).logits[:, -1:]]
-        first += [model(ids[:, i : i + 1], cache=cache).logits for i in range(30, 40)]
+        first = [model(ids[:, :30], **cache_kwargs(cache)).logits[:, -1:]]
+        first += [model(ids[:, i : i + 1], **cache_kwargs(cache)).logits for i in range(30, 40)]
     cpu_kernel = cache.prepared.on(cpu).decode_kernel(0, 6)
     # what a cache on the other device does when it starts: its state and kernels on its device
     on_meta = policy.prepare(meta)
@@ -243,7 +244,7 @@ def test_a_learned_policy_keeps_one_scorer_per_device():
     assert all(p.device == cpu for p in policy.scorer.parameters())
     assert cache.prepared.on(cpu).decode_kernel(0, 6) is cpu_kernel  # untouched
     with torch.no_grad():
-        rest = [model(ids[:, i : i + 1], cache=cache).logits for i in range(40, 50)]
+        rest = [model(ids[:, i : i + 1], **cache_kwargs(cache)).logits for i in range(40, 50)]
     torch.testing.assert_close(torch.cat(first + rest, 1), solo, rtol=1e-5, atol=1e-5)
 
 
@@ -286,11 +287,11 @@ def test_a_second_device_starting_does_not_move_the_first_devices_scorer(monkeyp
     policy = random_learned_policy(model, extra=True)
     cache = KVpopCache(model.config, policy=policy, **kw)
     with torch.no_grad():
-        outs = [model(ids[:, :30], cache=cache).logits[:, -1:]]
-        outs += [model(ids[:, i : i + 1], cache=cache).logits for i in range(30, 40)]
+        outs = [model(ids[:, :30], **cache_kwargs(cache)).logits[:, -1:]]
+        outs += [model(ids[:, i : i + 1], **cache_kwargs(cache)).logits for i in range(30, 40)]
         for layer in range(2):
             policy.init_state(1, 2, layer, other)  # a cache on the other device starts
-        outs += [model(ids[:, i : i + 1], cache=cache).logits for i in range(40, 50)]
+        outs += [model(ids[:, i : i + 1], **cache_kwargs(cache)).logits for i in range(40, 50)]
     assert all(p.dtype == torch.float32 for p in policy.scorer.parameters())
     torch.testing.assert_close(torch.cat(outs, 1), solo, rtol=1e-5, atol=1e-5)
 
@@ -582,7 +583,7 @@ def test_assisted_decoding_and_prompt_lookup_are_refused(feature):
     cache = KVpopCache(model.config, budget=24, window=6, sinks=2, policy="h2o")
     assert not cache.is_croppable
     with pytest.raises(ValueError, match="cache that can be cropped"):
-        model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
+        model.generate(ids, **cache_kwargs(cache), max_new_tokens=6, do_sample=False, pad_token_id=0, **kw)
     with pytest.raises(NotImplementedError, match="cannot be cropped"):
         cache.crop(1)
     name = next(iter(kw))

@@ -17,6 +17,7 @@ import warnings
 import weakref
 
 import torch
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attention import KVpopOffset, Route
@@ -35,6 +36,7 @@ from .state import LayerState
 from .step import StepSpec, check_scores, decode_exits, decode_tail, prefill_chunk
 
 NAN_CHECK_EVERY = 64  # steady decode steps between checks of a heuristic policy's scores for NaN
+
 
 
 class KVpopLayer(CacheLayerMixin):
@@ -81,11 +83,40 @@ class KVpopLayer(CacheLayerMixin):
                 "another model's config. Create it from this model: KVpopCache(model.config, ...) or "
                 "kvpop.make_cache(model, ...)."
             )
-        self.device = key_states.device
+        self.load(self.new_state(b, h, d, value_states.shape[-1], key_states.dtype, key_states.device))
+
+    # --- the state in and out, for an engine that keeps it elsewhere (kvpop.serving) ---------
+    def new_state(self, batch: int, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
+                  device: torch.device | str) -> LayerState:  # fmt: skip
+        """Empty state for ``batch`` new sequences of this layer: what the first update allocates,
+        and what a serving engine starts a new request from."""
+        device = torch.device(device)
+        policy_state = self._prepared.on(device).init_state(batch, kv_heads, self.layer_idx)
+        shape_k = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
+        shape_v = torch.empty(batch, kv_heads, 0, value_dim, dtype=dtype, device=device)
+        return LayerState.empty(self.cfg, len(self.obs_windows), shape_k, shape_v, policy_state)
+
+    def load(self, state: LayerState) -> None:
+        """Make ``state`` this layer's (the tensors themselves, not copies): the next :meth:`attend`
+        reads and updates them. With :meth:`unload` a caller keeps each sequence's state in its own
+        memory (a serving engine's KV blocks) and runs this layer's step on any set of sequences:
+        build a ``LayerState`` for them, ``load``, ``attend``, ``unload`` and write it back."""
+        self.device = state.k.device
         self.kernels = self._prepared.on(self.device)
-        policy_state = self.kernels.init_state(b, h, self.layer_idx)
-        self._set_state(LayerState.empty(self.cfg, len(self.obs_windows), key_states, value_states, policy_state))
+        self._owned_state = None  # the compiled step updates a policy state in place only after copying it
+        self._set_state(state)
         self.is_initialized = True
+
+    def unload(self) -> LayerState:
+        """The layer's state, and the layer lets go of it (it is then as before its first update): a
+        caller that keeps the state elsewhere writes it back and leaves no copy behind in the layer."""
+        if not self.is_initialized:
+            raise RuntimeError("this layer holds no state (it is created at the first update, or by load)")
+        state = self.state
+        self.state = self.keys = self.values = self._owned_state = None
+        self.compiled.forget(self.layer_idx)
+        self.is_initialized = False
+        return state
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Defer insertion to the attention call, which knows the queries and the padding mask."""
@@ -457,14 +488,17 @@ def make_cache(model, policy: str | Policy = DEFAULT_POLICY, *, budget: int | No
     """A cache for ``model`` under ``policy``: ``None`` for ``"dense"`` (transformers' own cache).
 
     The one place that builds a cache from a policy name (``kvpop.generate``, the evaluation,
-    the benchmarks and the CLI all call it). Unlike ``KVpopCache(model.config, ...)`` it has the
+    the benchmarks, the CLI and the vLLM plugin all call it). Unlike ``KVpopCache(model.config, ...)`` it has the
     model, so a learned policy also checks its checkpoint's weight hash, not only the config.
     ``kwargs``: the budget keywords and the policy factory's, as for :class:`KVpopCache`. A policy
     instance (``get_policy(name, model=model)``, resolved once) is reused as it is: no checkpoint
-    is read and no weights are hashed again.
+    is read and no weights are hashed again. ``model`` may also be just a config (a
+    ``PretrainedConfig``, e.g. a serving engine's, which has no transformers model): then only the
+    config part is checked, as by ``KVpopCache``.
     """
     if isinstance(policy, str) and policy == DENSE:
         return None
-    if isinstance(policy, str) and policy in LEARNED_POLICIES:
+    config = model if isinstance(model, PretrainedConfig) else model.config
+    if isinstance(policy, str) and policy in LEARNED_POLICIES and config is not model:
         kwargs.setdefault("model", model)
-    return KVpopCache(model.config, budget, policy=policy, eviction=eviction, compile=compile, **kwargs)
+    return KVpopCache(config, budget, policy=policy, eviction=eviction, compile=compile, **kwargs)

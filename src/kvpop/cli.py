@@ -19,6 +19,7 @@ from .bench import gpu as bench_gpu
 from .bench import overhead as bench_overhead
 from .bench import prefill as bench_prefill
 from .bench import targets as bench_targets
+from .bench import vllm as bench_vllm
 from .cache import make_cache
 from .checkpoint import ScorerMismatchError, default_adapter_path
 from .compare import compare, human_bytes, table
@@ -29,14 +30,16 @@ from .generate import generate
 from .models import model_summary
 from .options import load_model_quietly, policy_for_scorer
 from .policies import DEFAULT_POLICY, policy_names
+from .serving.vllm.serve import main as serve_main
 from .train.cli import main as train_main
 from .train.diagnose import main as diagnose_main
 
 EVICTION_POLICIES = policy_names(teacher_forced=False)  # dense + every policy that can generate
 BENCHMARKS = {"targets": bench_targets.main, "generate": bench_generate.main, "overhead": bench_overhead.main,
-              "prefill": bench_prefill.main, "gpu": bench_gpu.main}  # fmt: skip
+              "prefill": bench_prefill.main, "gpu": bench_gpu.main,
+              "vllm": bench_vllm.main}  # fmt: skip
 SUBCOMMANDS = {"train": train_main, "eval": eval_main, "diagnose": diagnose_main, "adapt": adapt_main,
-               "compare-adapted": report_main}  # fmt: skip
+               "compare-adapted": report_main, "serve": serve_main}  # fmt: skip
 DEMO_QUESTION = "In one sentence, what is the main advice of the essay above?"
 
 
@@ -311,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("diagnose", help="diagnostics of the learned scorer (see `kvpop diagnose noisy-oracle --help`)",
                    add_help=False)  # fmt: skip
     sub.add_parser("eval", help="evaluate policies and budgets (see `kvpop eval --help`)", add_help=False)
+    sub.add_parser("serve", add_help=False,
+                   help="vLLM's OpenAI-compatible server with kvpop layers (needs kvpop[vllm]; see `kvpop serve --help`)")
     return p
 
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .cache import make_cache
+from .compat import cache_kwargs
 
 __all__ = ["CHUNK", "DenseCache", "DocumentScore", "Probe", "Scores", "Sums", "compare", "continuation_start",
            "decoder_and_head", "default_continuation_tokens", "dense_logprobs", "doc_key", "hidden_states",
@@ -65,7 +66,7 @@ def hidden_states(model, input_ids: Tensor, cache=None) -> Tensor:
     dec, _ = decoder_and_head(model)
     if dec is None:
         raise RuntimeError("model has no get_decoder()/get_output_embeddings(); cannot evaluate")
-    out = dec(input_ids=ids, cache=cache, use_cache=cache is not None)
+    out = dec(input_ids=ids, **cache_kwargs(cache), use_cache=cache is not None)
     return out.last_hidden_state[0]
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import models
+from ..compat import cache_kwargs
 from ..options import load_model_quietly
 from ..plotting import pyplot, save_figure
 from .common import cache_for_spec, kv_bytes, median, parse_policy, peak_rss_bytes, rss_bytes, text_ids, write_json
@@ -49,23 +50,23 @@ def run_one(spec: str, lengths: list[int], decode_steps: int, mode: str, model_p
                 raise SystemExit(f"{spec}: the budget must exceed --decode-steps + 1")
             cache.reset()
             start = budget - decode_steps - 1
-            model(ids[:, :start], cache=cache, logits_to_keep=1)
+            model(ids[:, :start], **cache_kwargs(cache), logits_to_keep=1)
             pos = start
         elif mode == "prefill":
             # pieces of at most 1024 tokens, last-position logits only: the transient memory of a
             # long prefill (a [T, vocab] logits tensor) would otherwise dominate the peak RSS
             while pos < length:
                 end = min(length, pos + 1024)
-                model(ids[:, pos:end], cache=cache, logits_to_keep=1)
+                model(ids[:, pos:end], **cache_kwargs(cache), logits_to_keep=1)
                 pos = end
         else:
             while pos < length:
-                model(ids[:, pos : pos + 1], cache=cache)
+                model(ids[:, pos : pos + 1], **cache_kwargs(cache))
                 pos += 1
         lat = []
         for _ in range(decode_steps):
             t0 = time.perf_counter()
-            model(ids[:, pos : pos + 1], cache=cache)
+            model(ids[:, pos : pos + 1], **cache_kwargs(cache))
             lat.append(time.perf_counter() - t0)
             pos += 1
         if floor:

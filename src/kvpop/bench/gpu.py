@@ -45,6 +45,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 
 from ..cache import make_cache
 from ..checkpoint import default_scorer_path, load_scorer
+from ..compat import cache_kwargs
 from ..plotting import pyplot, save_figure
 from ..policies import LearnedPolicy
 from ..rope import RopeSpec
@@ -215,9 +216,9 @@ def parity_part(device: torch.device, *, policies=PARITY_POLICIES, budget: int =
                     if name.startswith("kvpop") else name
                 cache = make_cache(m, pol, budget=budget, compile=comp)
                 x = ids.to(dev)
-                logits = [m(x[:, :prompt], cache=cache).logits[:, -1].float().cpu()]
+                logits = [m(x[:, :prompt], **cache_kwargs(cache)).logits[:, -1].float().cpu()]
                 for t in range(prompt, prompt + steps):
-                    logits.append(m(x[:, t : t + 1], cache=cache).logits[:, -1].float().cpu())
+                    logits.append(m(x[:, t : t + 1], **cache_kwargs(cache)).logits[:, -1].float().cpu())
                 slots = torch.stack([layer.slot_index.cpu() for layer in cache.layers])
                 runs[label] = (torch.stack(logits), slots)
             except Exception as exc:  # noqa: BLE001
@@ -294,7 +295,7 @@ def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int
 
     def feed(cache, start: int, stop: int) -> None:
         for a in range(start, stop, prefill_chunk):
-            model(ids[:, a : min(stop, a + prefill_chunk)], cache=cache, logits_to_keep=1)
+            model(ids[:, a : min(stop, a + prefill_chunk)], **cache_kwargs(cache), logits_to_keep=1)
 
     state: dict[str, dict] = {}
     results = []
@@ -315,7 +316,7 @@ def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int
                 st["prefilled"] = target - st["pos"]
                 st["pos"] = target
                 t0 = time.perf_counter()
-                model(ids[:, st["pos"] : st["pos"] + 1], cache=st["cache"])  # first step (compiles, if asked)
+                model(ids[:, st["pos"] : st["pos"] + 1], **cache_kwargs(st["cache"]))  # first step (compiles, if asked)
                 _sync(device)
                 st["first_s"] = time.perf_counter() - t0
                 st["pos"] += 1
@@ -331,7 +332,7 @@ def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int
                 for _ in range(steps):
                     _sync(device)
                     t0 = time.perf_counter()
-                    model(ids[:, st["pos"] : st["pos"] + 1], cache=st["cache"])
+                    model(ids[:, st["pos"] : st["pos"] + 1], **cache_kwargs(st["cache"]))
                     _sync(device)
                     st["times"].append(time.perf_counter() - t0)
                     st["pos"] += 1

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from transformers import DynamicCache, StaticCache
 
 from ..cache import make_cache
+from ..compat import cache_kwargs
 from ..options import load_model_quietly
 from ..plotting import pyplot, save_figure
 from ..policies import POLICIES, get_policy, policy_names
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def prefill(cache, length: int) -> None:
         for start in range(0, length, 1024):
-            model(ids[:, start : min(length, start + 1024)], cache=cache, logits_to_keep=1)
+            model(ids[:, start : min(length, start + 1024)], **cache_kwargs(cache), logits_to_keep=1)
 
     rows: dict[str, dict] = {}
     floor_len = args.budget - total_steps - 1
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         prefill(cache, args.context)
         t0 = time.perf_counter()
-        model(ids[:, args.context : args.context + 1], cache=cache)  # the first steady step (compiles, if asked)
+        model(ids[:, args.context : args.context + 1], **cache_kwargs(cache))  # the first steady step (compiles, if asked)
         first = time.perf_counter() - t0
         for layer in cache.layers:
             layer.timer = {}
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows.values():
             for _ in range(args.steps):
                 t0 = time.perf_counter()
-                model(ids[:, r["pos"] : r["pos"] + 1], cache=r["cache"])
+                model(ids[:, r["pos"] : r["pos"] + 1], **cache_kwargs(r["cache"]))
                 r["times"].append(time.perf_counter() - t0)
                 r["pos"] += 1
     floor_ms = 1000 * median(rows["floor"]["times"])

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..compat import cache_kwargs
 from ..options import load_model_quietly
 from .common import cache_for_spec, median, text_ids, write_json
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         for spec in specs:
             cache = cache_for_spec(model, spec)
             t0 = time.perf_counter()
-            model(ids, cache=cache)
+            model(ids, **cache_kwargs(cache))
             times[spec].append(time.perf_counter() - t0)
     dense = median(times["dense"]) if "dense" in times else None
     rows = []

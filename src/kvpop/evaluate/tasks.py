@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..compat import cache_kwargs
+
 TASKS = ("lm", "continuation", "needle", "multikey", "agreement")
 DEFAULT_TASKS = ("lm", "continuation", "needle", "multikey")
 TEXT_TASKS = ("lm", "continuation", "agreement")  # tasks that run on a document's own text
@@ -46,7 +48,7 @@ def greedy(
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
-        cache=cache,
+        **cache_kwargs(cache),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         temperature=None,

@@ -16,6 +16,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from ..attention import attention_implementation
+from ..compat import cache_kwargs
 from ..config import EvictionConfig, attention_shape
 from ..policies import ExitBatch, Policy
 
@@ -53,7 +54,7 @@ class MaskedReference:
             with attention_implementation(self.model, NAME):
                 for i in range(input_ids.shape[1]):
                     self.t += 1
-                    out = self.model(input_ids[:, i : i + 1], cache=cache, use_cache=True)
+                    out = self.model(input_ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True)
                     logits.append(out.logits)
         finally:
             _ACTIVE.pop()
