@@ -34,6 +34,9 @@ __all__ = ["NAME", "KVpopMask", "KVpopOffset", "Route", "attention_implementatio
            "register", "routed"]
 
 NAME = "kvpop"
+USE_CACHE_FALSE = ("use_cache=False with a KVpop cache: the model would feed the whole sequence through the cache at "
+                   "every step (neither dense nor bounded attention). Drop use_cache=False, or drop the cache for a "
+                   "dense run without one.")  # fmt: skip
 _BASE_ATTR = "_kvpop_base_attn"
 
 
@@ -97,6 +100,8 @@ def kvpop_attention(module, query, key, value, attention_mask, scaling=None, dro
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if isinstance(attention_mask, KVpopMask):
+        if kwargs.get("use_cache") is False:  # transformers 5.19 passes it here (newer ones to Cache.update)
+            raise ValueError(USE_CACHE_FALSE)
         layer = attention_mask.layers[module.layer_idx]
         return layer.attend(query, key, value, attention_mask.new_tokens(query.shape[2]), scaling), None
     fn = _base_attention(module, _base_name(module.config))

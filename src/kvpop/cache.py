@@ -20,7 +20,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import KVpopOffset, Route
+from .attention import USE_CACHE_FALSE, KVpopOffset, Route
 from .compiled import CompiledStep, compile_default
 from .config import (
     BudgetArgs,
@@ -423,11 +423,7 @@ class KVpopCache(Cache):
         """
         layers = self.layers
         if layer_idx == 0 and kwargs and (kwargs.get("kwargs") or {}).get("use_cache") is False:
-            raise ValueError(
-                "use_cache=False with a KVpop cache: the model would feed the whole sequence through the cache at "
-                "every step (neither dense nor bounded attention). Drop use_cache=False, or drop the cache for a "
-                "dense run without one."
-            )
+            raise ValueError(USE_CACHE_FALSE)
         if layer_idx >= len(layers):
             raise ValueError(
                 f"this KVpop cache has {len(layers)} layers but the model asks for layer {layer_idx}: the cache was "
