@@ -16,7 +16,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .cache import KVpopCache, make_cache
 from .config import BudgetArgs
-from .models import kv_bytes_per_token
+from .models import kv_bytes_at
 from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy
 from .validate import check_int, check_prompts
 
@@ -71,7 +71,8 @@ class _StepTimer(BaseStreamer):
 
 
 def dense_kv_bytes(config, batch: int, tokens: int, dtype: torch.dtype) -> int:
-    return kv_bytes_per_token(config, dtype) * batch * tokens
+    """What the model's own cache holds for ``batch`` sequences of ``tokens`` (sliding layers: their window)."""
+    return kv_bytes_at(config, tokens, dtype) * batch
 
 
 @torch.no_grad()
