@@ -15,6 +15,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from .cache import KVpopCache, make_cache
+from .compat import cache_kwargs
 from .config import BudgetArgs
 from .models import kv_bytes_at
 from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy
@@ -149,7 +150,7 @@ def generate(
     generate_kwargs.setdefault("do_sample", False)
     generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
     if cache is not None:
-        generate_kwargs["cache"] = cache
+        generate_kwargs.update(cache_kwargs(cache))  # transformers 5.19 refuses cache=, it takes past_key_values=
     timer = None
     if "streamer" not in generate_kwargs and generate_kwargs.get("num_beams", 1) == 1:
         timer = generate_kwargs["streamer"] = _StepTimer()

@@ -484,6 +484,15 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, p
     return model, tokenizer
 
 
+def _is_default_gguf(path: Path) -> bool:
+    """Whether ``path`` is the embedded SmolLM2 GGUF (False when its package is not installed: another
+    model, such as Gemma 3, loads without it)."""
+    try:
+        return path == default_gguf_path()
+    except MissingModelPackageError:
+        return False
+
+
 def load_model(
     name_or_path: str | os.PathLike | None = None,
     dtype: torch.dtype = torch.float32,
@@ -518,7 +527,7 @@ def load_model(
     """
     _set_offline()
     kind, path = _resolve(name_or_path)
-    embedded = kind == "gguf" and path == default_gguf_path()
+    embedded = kind == "gguf" and _is_default_gguf(path)
     if adapter is not None and os.fspath(adapter) == "default":
         if not embedded:
             raise ValueError(f'adapter="default" is the shipped bundle of the embedded {DEFAULT_MODEL_NAME}; '
