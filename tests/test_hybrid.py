@@ -199,3 +199,23 @@ def test_training_a_scorer_for_a_hybrid_model_starts(tmp_path):
     scorer, _ = load_scorer(tmp_path / "run" / "scorer.safetensors", model=model)
     assert scorer.config.num_layers == 2  # one per full-attention layer
     KVpopCache(model.config, 24, policy="kvpop", path=str(tmp_path / "run" / "scorer.safetensors"))
+
+
+@pytest.mark.parametrize("policy", ["h2o", "kvpop"])
+def test_beam_search_reorders_both_kinds_of_layer(policy):
+    """Beam search reorders the bounded and the sliding layers alike: at a budget covering the sequence
+    the beams equal the model's own; at a small one every beam's score equals its sequence run alone."""
+    model = tiny_model("gemma3")
+    prompt = _ids(24, seed=8)
+    kw = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False,
+          "length_penalty": 0.0, "output_scores": True, "return_dict_in_generate": True, "pad_token_id": 0}  # fmt: skip
+    big = KVpopCache(model.config, budget=64, window=8, sinks=2, policy=_policy(policy, model))
+    assert torch.equal(model.generate(prompt, **cache_kwargs(big), **kw).sequences,
+                       model.generate(prompt, **kw).sequences)  # fmt: skip
+    pol = _policy(policy, model)
+    out = model.generate(prompt, **cache_kwargs(KVpopCache(model.config, policy=pol, **KW)), **kw)
+    for row in range(2):
+        new = out.sequences[row : row + 1, 24:]
+        alone = _logits(model, torch.cat([prompt, new[:, :-1]], 1), KVpopCache(model.config, policy=pol, **KW), 24)
+        logp = torch.log_softmax(alone[0, 23:].float(), -1)[torch.arange(12), new[0]].sum()
+        assert float(logp) == pytest.approx(float(out.sequences_scores[row]), abs=1e-3)
