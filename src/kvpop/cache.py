@@ -18,7 +18,7 @@ import weakref
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .attention import USE_CACHE_FALSE, KVpopOffset, Route
 from .compiled import CompiledStep, compile_default
@@ -27,7 +27,7 @@ from .config import (
     EvictionConfig,
     ScorerSettingsWarning,
     attention_shape,
-    check_full_attention,
+    check_attention,
     resolve_eviction,
     settings_note,
 )
@@ -52,9 +52,13 @@ class KVpopLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, cfg: EvictionConfig, policy: Policy, layer_idx: int, cache: KVpopCache):
+    def __init__(self, cfg: EvictionConfig, policy: Policy, layer_idx: int, cache: KVpopCache,
+                 policy_layer: int | None = None):  # fmt: skip
         super().__init__()
         self.cfg, self.policy, self.layer_idx = cfg, policy, layer_idx
+        # the policy's index of this layer: its rank among the bounded layers (a learned scorer has one per
+        # bounded layer); the model's layer index where every layer is bounded
+        self.policy_layer = layer_idx if policy_layer is None else policy_layer
         self.compiled: CompiledStep = cache.compiled_step
         self._prepared = cache.prepared  # the policy's kernels per device (made once per cache)
         self.route: Route = cache.route
@@ -91,7 +95,7 @@ class KVpopLayer(CacheLayerMixin):
         """Empty state for ``batch`` new sequences of this layer: what the first update allocates,
         and what a serving engine starts a new request from."""
         device = torch.device(device)
-        policy_state = self._prepared.on(device).init_state(batch, kv_heads, self.layer_idx)
+        policy_state = self._prepared.on(device).init_state(batch, kv_heads, self.policy_layer)
         shape_k = torch.empty(batch, kv_heads, 0, head_dim, dtype=dtype, device=device)
         shape_v = torch.empty(batch, kv_heads, 0, value_dim, dtype=dtype, device=device)
         return LayerState.empty(self.cfg, len(self.obs_windows), shape_k, shape_v, policy_state)
@@ -122,8 +126,9 @@ class KVpopLayer(CacheLayerMixin):
         """Defer insertion to the attention call, which knows the queries and the padding mask."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        # checked at the first layer only: every forward starts there (a config read is slow next to a decode step)
-        if self.layer_idx == 0 and not self.route.active:
+        # checked at the first bounded layer only: every forward passes it first (a config read is slow next to a
+        # decode step)
+        if self.policy_layer == 0 and not self.route.active:
             raise RuntimeError(
                 "this KVpop cache no longer routes the model's attention (its model's attention implementation is "
                 f"{self.model_config._attn_implementation!r}, not 'kvpop': cache.detach() or kvpop.detach was "
@@ -147,7 +152,7 @@ class KVpopLayer(CacheLayerMixin):
         self.pending = False
         if self.is_initialized:
             b, h = self.state.k.shape[:2]
-            fresh = self.kernels.init_state(b, h, self.layer_idx)
+            fresh = self.kernels.init_state(b, h, self.policy_layer)
             self._set_state(self.state.map_rows(lambda t, empty: t.fill_(empty), policy_state=fresh), same=True)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -195,7 +200,7 @@ class KVpopLayer(CacheLayerMixin):
         """Insert the chunk under the rule and attend; returns ``[b, q_len, q_heads, d]``."""
         self.pending = False
         c = query.shape[2]
-        if valid is not None and (self.layer_idx == 0 or c > 1):  # every layer of a step gets the same mask: check it once
+        if valid is not None and (self.policy_layer == 0 or c > 1):  # every layer of a step gets the same mask: check it once
             _check_padding(valid, self.state.n_real)
         spec = self._spec if self._spec is not None and self._spec.scaling == scaling else self._make_spec(scaling)
         # valid=None (no padding) takes no device sync; the attention routing passes None for an all-real mask
@@ -207,7 +212,7 @@ class KVpopLayer(CacheLayerMixin):
             self.seen += 1
             return out
         step = self.cfg.chunk
-        outs = [prefill_chunk(spec, self.kernels, self.layer_idx, self.state, query[:, :, i : i + step],
+        outs = [prefill_chunk(spec, self.kernels, self.policy_layer, self.state, query[:, :, i : i + step],
                               key_new[:, :, i : i + step], value_new[:, :, i : i + step],
                               None if valid is None else valid[:, i : i + step])
                 for i in range(0, c, step)]  # fmt: skip
@@ -229,8 +234,8 @@ class KVpopLayer(CacheLayerMixin):
         exits = st.min_real >= spec.sinks + spec.window or bool((st.n_real >= spec.sinks + spec.window).any())
         ex_k = ex_v = prio = None
         if (exits and spec.k) or kernels.stateful:
-            ex_k, ex_v, prio = decode_exits(spec, kernels, self.layer_idx, st, k_new, v_new)
-            check_scores(prio, kernels.name, self.layer_idx)
+            ex_k, ex_v, prio = decode_exits(spec, kernels, self.policy_layer, st, k_new, v_new)
+            check_scores(prio, kernels.name, self.policy_layer)
             t0 = _tick(timer, "score", t0)
         obs = st.observed if kernels.needs_attention else None
         out, st.n_real = decode_tail(spec, q, k_new, v_new, st.k, st.v, st.slot_index, st.lr_prio, obs, st.n_real,
@@ -251,7 +256,7 @@ class KVpopLayer(CacheLayerMixin):
         """
         st, kernels, comp, timer = self.state, self.kernels, self.compiled, self.timer
         t0 = time.perf_counter() if timer is not None else 0.0
-        kernel = kernels.decode_kernel(self.layer_idx, spec.window)
+        kernel = kernels.decode_kernel(self.policy_layer, spec.window)
         bound = comp.bound.get(self.layer_idx)
         if (bound is not None and bound.spec is spec and bound.state is st.policy_state and bound.observed is st.observed
                 and (bound.kernel is None or bound.kernel is kernel) and comp.active
@@ -262,7 +267,7 @@ class KVpopLayer(CacheLayerMixin):
             return out
         obs = st.observed if kernels.needs_attention else None
         bufs = (q, k_new, v_new, st.k, st.v, st.slot_index, st.lr_prio, obs, st.n_real)
-        steady = None if kernel is not None else kernels.steady_score(self.layer_idx)
+        steady = None if kernel is not None else kernels.steady_score(self.policy_layer)
         if kernel is not None:
             name, args = "decode_learned", (spec, *kernel, self._own_state(), *bufs)
         elif steady is not None:
@@ -292,9 +297,9 @@ class KVpopLayer(CacheLayerMixin):
         (a device sync); no scores without long-range slots (nothing to decide), unless stateful."""
         if not spec.k and not self.kernels.stateful:
             return None, None, None
-        ex_k, ex_v, prio = decode_exits(spec, self.kernels, self.layer_idx, self.state, k_new, v_new)
+        ex_k, ex_v, prio = decode_exits(spec, self.kernels, self.policy_layer, self.state, k_new, v_new)
         if self.seen % NAN_CHECK_EVERY == 0:
-            check_scores(prio, self.kernels.name, self.layer_idx)
+            check_scores(prio, self.kernels.name, self.policy_layer)
         return ex_k, ex_v, prio if spec.k else None
 
 
@@ -314,7 +319,17 @@ def _source(policy: Policy) -> str:
 
 def _layers_used(layers) -> int:
     """How many leading layers saw as many tokens as layer 0 (those the model runs)."""
-    return next((i for i, layer in enumerate(layers) if layer.seen != layers[0].seen), len(layers))
+    seen = [layer.get_seq_length() for layer in layers]
+    return next((i for i, n in enumerate(seen) if n != seen[0]), len(layers))
+
+
+def _held_bytes(layer) -> int:
+    """Bytes of keys and values a layer holds now (a sliding layer: its last ``window - 1`` tokens)."""
+    if isinstance(layer, KVpopLayer):
+        return layer.kv_bytes()
+    if not layer.is_initialized:
+        return 0
+    return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
 
 
 def _check_padding(valid: torch.Tensor, n_real: torch.Tensor) -> None:
@@ -363,7 +378,17 @@ class _Prepared:
 
 
 class KVpopCache(Cache):
-    """Bounded KV cache: ``B = sinks + window + k`` slots per KV head in every layer.
+    """Bounded KV cache: ``B = sinks + window + k`` slots per KV head in every full-attention layer.
+
+    A model with sliding-window layers (Gemma 2/3, Qwen2/3 with ``use_sliding_window``) keeps each
+    sliding layer's own window: that layer is transformers' ``DynamicSlidingWindowLayer`` and its
+    attention is the model's own (mask and attention function, the ``kvpop`` routing passes them
+    through), so it equals the model with its own cache bit for bit. Running it through a kvpop ring
+    instead would be a second implementation of the model's own rule (no choice is made on such a
+    layer: the oldest token always leaves), to be held to the first by a test; transformers' layer
+    already holds at most ``window - 1`` tokens between steps, so the whole cache is bounded. Only
+    the full-attention (``bounded``) layers evict by the policy; a learned scorer has one scorer per
+    bounded layer. A model whose every layer slides is refused (nothing to bound).
 
     Example::
 
@@ -391,7 +416,7 @@ class KVpopCache(Cache):
         """``budget`` and the other keywords of :class:`kvpop.config.BudgetArgs` (``k``, ``compression``,
         ``reference_length``, ``window``, ``sinks``, ``lam``, ``prefill_chunk``), or ``eviction=``; any
         other keyword goes to the policy factory (e.g. ``path=`` a scorer checkpoint, ``seed=``)."""
-        check_full_attention(config)
+        check_attention(config)
         if compile is not None and not isinstance(compile, bool):
             raise TypeError(f"compile must be True, False or None (the default), got {compile!r}")
         # each argument's type and range, before a scorer loads (integral numbers such as numpy.int64 become int)
@@ -405,10 +430,13 @@ class KVpopCache(Cache):
         self.route = Route(config)  # released when this cache is detached or collected
         weakref.finalize(self, self.route.release)
         shape = attention_shape(config)
-        super().__init__(layers=[KVpopLayer(self.eviction, pol, i, self) for i in range(shape.num_layers)])
-        for layer in self.layers:
+        self.bounded = [KVpopLayer(self.eviction, pol, i, self, j) for j, i in enumerate(shape.bounded)]
+        for layer in self.bounded:
             layer.model_config = config.get_text_config(decoder=True)
             layer.kv_shape = (shape.kv_heads, shape.head_dim)
+        by_index = {layer.layer_idx: layer for layer in self.bounded}
+        super().__init__(layers=[by_index[i] if i in by_index else DynamicSlidingWindowLayer(shape.sliding_window)
+                                 for i in range(shape.num_layers)])  # fmt: skip
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """``Cache.update``, after checking that the model this cache runs in is the one it was made for.
@@ -430,7 +458,10 @@ class KVpopCache(Cache):
                 "created from another model's config. Create it from this model: KVpopCache(model.config, ...) or "
                 "kvpop.make_cache(model, ...)."
             )
-        prev = layers[layer_idx - 1]
+        layer = layers[layer_idx]
+        if not isinstance(layer, KVpopLayer):  # a sliding layer: transformers' own
+            return layer.update(key_states, value_states, *args, **kwargs)
+        prev = self.bounded[layer.policy_layer - 1]  # the previous bounded layer (the first: the last one)
         if prev.pending:
             prev.pending = False  # one error, not one per later call
             raise RuntimeError(
@@ -441,19 +472,23 @@ class KVpopCache(Cache):
                 "(pass the 2D padding mask). Create the cache from this model: KVpopCache(model.config, ...) or "
                 "kvpop.make_cache(model, ...)."
             )
-        if layer_idx == 0 and prev.seen != layers[0].seen:
+        if layer.policy_layer == 0 and prev.seen != layer.seen:
             raise ValueError(
                 f"this KVpop cache has {len(layers)} layers, but its layer {prev.layer_idx} saw {prev.seen} tokens "
-                f"and layer 0 saw {layers[0].seen}: the model uses only {_layers_used(layers)} of them (the cache was "
-                "created from another model's config), or an earlier forward failed midway. Create a new cache "
-                "from this model: KVpopCache(model.config, ...) or kvpop.make_cache(model, ...)."
+                f"and layer {layer.layer_idx} saw {layer.seen}: the model uses only {_layers_used(layers)} of them (the "
+                "cache was created from another model's config), or an earlier forward failed midway. Create a new "
+                "cache from this model: KVpopCache(model.config, ...) or kvpop.make_cache(model, ...)."
             )
-        return layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        return layer.update(key_states, value_states, *args, **kwargs)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        """The model builds its padding mask against all tokens seen; the offset carries this cache's
-        layers to the ``kvpop`` mask, through which the attention finds its layer."""
-        return self.layers[0].seen + query_length, KVpopOffset(self.layers)
+        """For the bounded layers the model builds its padding mask against all tokens seen, and the
+        offset carries this cache's layers to the ``kvpop`` mask, through which the attention finds its
+        layer. For a sliding layer, its own sizes: a plain offset, so the model builds its own sliding
+        mask and runs its own attention on that layer."""
+        if layer_idx < len(self.layers) and not isinstance(self.layers[layer_idx], KVpopLayer):
+            return self.layers[layer_idx].get_mask_sizes(query_length)
+        return self.bounded[0].seen + query_length, KVpopOffset(self.layers)
 
     def detach(self) -> None:
         """Stop routing the model's attention through kvpop for this cache (the model's own attention
@@ -470,13 +505,21 @@ class KVpopCache(Cache):
         ``"compiled (not reached)"`` (no steady decode step yet)."""
         return self.compiled_step.status()
 
-    def kv_bytes(self) -> int:
-        """Bytes of keys and values held now, all layers."""
-        return sum(layer.kv_bytes() for layer in self.layers)
+    def kv_bytes(self, part: str | None = None) -> int:
+        """Bytes of keys and values held now: all layers, or ``part="bounded"`` (the full-attention
+        layers' ``B`` slots) or ``part="sliding"`` (the sliding layers' own windows)."""
+        if part not in (None, "bounded", "sliding"):
+            raise ValueError(f"part must be None, 'bounded' or 'sliding', got {part!r}")
+        return sum(_held_bytes(layer) for layer in self.layers
+                   if part is None or isinstance(layer, KVpopLayer) == (part == "bounded"))  # fmt: skip
 
     def __repr__(self) -> str:
         e = self.eviction
-        return f"KVpopCache(sinks={e.sinks}, window={e.window}, k={e.k}, budget={e.budget}, policy={self.policy!r})"
+        sliding = len(self.layers) - len(self.bounded)
+        extra = f", sliding_layers={sliding} (window {self.layers[self.is_sliding.index(True)].sliding_window})" \
+            if sliding else ""  # fmt: skip
+        return (f"KVpopCache(sinks={e.sinks}, window={e.window}, k={e.k}, budget={e.budget}{extra}, "
+                f"policy={self.policy!r})")  # fmt: skip
 
 
 def make_cache(model, policy: str | Policy = DEFAULT_POLICY, *, budget: int | None = None,

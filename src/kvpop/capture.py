@@ -33,6 +33,7 @@ from torch import Tensor
 from transformers.masking_utils import sdpa_mask
 
 from .attention import attention_implementation, register
+from .config import attention_shape
 from .observed import observed_attention_windows
 from .targets import fused_available, future_attention, future_attention_windows
 
@@ -262,10 +263,17 @@ def capturing(
     targets of padded rows).  ``reuse_lse``: in the plain case, take the attention output and the
     row LSE from one flash-kernel call (else the output comes from transformers' SDPA function and
     the target computes its own LSE).  The model's attention implementation is restored on exit.
+    ``layers`` (default: the full-attention layers, every layer of a model without sliding-window
+    layers): which layers to record; the others run their own attention (a sliding layer with its
+    sliding mask) and record nothing. A KVpop cache bounds exactly the full-attention layers, so
+    that is what training and the oracle see.
     """
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
         raise ValueError(f"window must be an int >= 0 or None; got {window!r}")
     n = _num_layers(model)
+    if layers is None:
+        shape = attention_shape(model.config)
+        layers = None if len(shape.bounded) == shape.num_layers else shape.bounded
     if layers is not None:
         layers = frozenset(int(i) for i in layers)
         if n is not None and any(i < 0 or i >= n for i in layers):
@@ -305,7 +313,8 @@ def collect(
             ``AttentionInterface``).
         input_ids: ``[batch, S]``.
         attention_mask: optional ``[batch, S]`` padding mask (contiguous valid tokens per row).
-        layers: layer indices to capture (default: all), returned in increasing order.
+        layers: layer indices to capture (default: the full-attention layers, all of them in a model
+            without sliding-window layers), returned in increasing order.
         window: if given, also compute the target for this window (``kvpop.targets``).
         options: the keyword options of :func:`capturing` (``method``, ``keep_queries``,
             ``extra_windows``, ``observed_windows``, ``sinks``, ``obs_windows``).

@@ -27,7 +27,7 @@ from .config import BudgetArgs, EvictionConfig, budget_of_compression
 from .data import load_documents
 from .evaluate.cli import main as eval_main
 from .generate import generate
-from .models import model_summary
+from .models import kv_bytes_at, model_summary
 from .options import load_model_quietly, policy_for_scorer
 from .policies import DEFAULT_POLICY, policy_names
 from .serving.vllm.serve import main as serve_main
@@ -96,19 +96,24 @@ def cmd_info(args) -> int:
     ev: EvictionConfig = cache.eviction
     per_token = summary["kv_bytes_per_token"]
     summary["budget"] = {"policy": policy, "sinks": ev.sinks, "window": ev.window, "k": ev.k, "B": ev.budget, "lam": ev.lam}
-    summary["kv_bytes_bounded"] = per_token * ev.budget
+    bounded = kv_bytes_at(model.config, ev.budget, budget=ev.budget)  # with the sliding layers' windows, if any
+    summary["kv_bytes_bounded"] = bounded
     for n in (1024, 4096, 8192):
-        summary[f"kv_bytes_dense_{n}"] = per_token * n
+        summary[f"kv_bytes_dense_{n}"] = kv_bytes_at(model.config, n)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
     for key in ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
         print(f"{key:>24}: {summary[key]}")
     print(f"{'KV bytes / token':>24}: {human_bytes(per_token)} (fp32)")
-    print(f"{'budget':>24}: B={ev.budget} (sinks {ev.sinks} + window {ev.window} + k {ev.k}, lam {ev.lam:g}; policy {policy}) -> {human_bytes(per_token * ev.budget)} per sequence, however long")
+    print(f"{'budget':>24}: B={ev.budget} (sinks {ev.sinks} + window {ev.window} + k {ev.k}, lam {ev.lam:g}; policy {policy}) -> {human_bytes(bounded)} per sequence, however long")
+    if summary["sliding_window"] is not None:
+        print(f"{'sliding layers':>24}: {summary['num_layers'] - len(summary['full_attention_layers'])} keep their own "
+              f"window of {summary['sliding_window']}; full-attention layers {summary['full_attention_layers']}")
     for n in (1024, 4096, 8192):
-        saved = 1 - min(ev.budget, n) / n
-        print(f"{'dense at ' + str(n):>24}: {human_bytes(per_token * n)}  (budget saves {saved:.0%})")
+        dense = kv_bytes_at(model.config, n)
+        saved = 1 - min(kv_bytes_at(model.config, n, budget=min(ev.budget, n)), dense) / dense
+        print(f"{'dense at ' + str(n):>24}: {human_bytes(dense)}  (budget saves {saved:.0%})")
     return 0
 
 
@@ -256,8 +261,12 @@ def cmd_generate(args) -> int:
     note = ""
     if res.cache is not None and res.kv_bytes > res.dense_kv_bytes:
         note = f"; the {res.cache.budget} slots are allocated up front, so the bound pays off past {res.cache.budget} tokens"
+    parts = ""
+    if res.cache is not None and len(res.cache.bounded) < len(res.cache.layers):
+        parts = (f" (full-attention layers {human_bytes(res.cache.kv_bytes('bounded'))} + sliding layers "
+                 f"{human_bytes(res.cache.kv_bytes('sliding'))})")  # fmt: skip
     print(
-        f"[kvpop] KV cache held {human_bytes(res.kv_bytes)} vs {human_bytes(res.dense_kv_bytes)} dense "
+        f"[kvpop] KV cache held {human_bytes(res.kv_bytes)}{parts} vs {human_bytes(res.dense_kv_bytes)} dense "
         f"({res.kv_bytes / max(1, res.dense_kv_bytes):.1%}){note}",
         file=sys.stderr,
     )

@@ -19,20 +19,43 @@ DEFAULT_WINDOW_FRACTION = 0.5  # window = B / 2 for every window-based policy (s
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """Per-layer cache geometry of a decoder: what the budget multiplies."""
+    """Per-layer cache geometry of a decoder: what the budget multiplies.
+
+    ``bounded``: the layers a KVpop cache bounds with its ``B`` slots (the full-attention ones, in
+    order; a learned scorer has one scorer per bounded layer, the ``i``-th for ``bounded[i]``);
+    every other layer slides over the model's own ``sliding_window`` and keeps exactly that.
+    """
 
     num_layers: int
     kv_heads: int
     head_dim: int
+    bounded: tuple[int, ...] = ()
+    sliding_window: int | None = None  # the sliding layers' window (None: no layer slides)
+
+    def __post_init__(self) -> None:
+        if not self.bounded and self.sliding_window is None:  # full attention everywhere
+            object.__setattr__(self, "bounded", tuple(range(self.num_layers)))
+
+    @property
+    def sliding(self) -> tuple[int, ...]:
+        """The layers that keep the model's own sliding window."""
+        return tuple(i for i in range(self.num_layers) if i not in self.bounded)
+
+
+def _text(config):
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
 
 
 def attention_shape(config) -> AttentionShape:
-    """Layers, KV heads and head dim of a (possibly multimodal) transformers config."""
-    get = getattr(config, "get_text_config", None)
-    text = get(decoder=True) if callable(get) else config
+    """Layers, KV heads, head dim and the bounded (full-attention) layers of a (possibly multimodal)
+    transformers config."""
+    text = _text(config)
     kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return AttentionShape(int(text.num_hidden_layers), int(kv), int(head_dim))
+    n = int(text.num_hidden_layers)
+    window, sliding = sliding_window_layers(text)
+    return AttentionShape(n, int(kv), int(head_dim), tuple(i for i in range(n) if i not in sliding), window)
 
 
 def sliding_window_layers(config) -> tuple[int | None, list[int]]:
@@ -40,11 +63,10 @@ def sliding_window_layers(config) -> tuple[int | None, list[int]]:
 
     ``(None, [])`` for full attention everywhere. A window at least ``max_position_embeddings``
     long never slides and counts as full attention. Layer types come from ``layer_types`` where
-    the config has them (Qwen2/Qwen3: ``use_sliding_window`` + ``max_window_layers``), else a set
-    ``sliding_window`` applies to every layer (Mistral).
+    the config has them (Gemma 2/3; Qwen2/Qwen3 derive them from ``use_sliding_window`` +
+    ``max_window_layers``), else a set ``sliding_window`` applies to every layer (Mistral).
     """
-    get = getattr(config, "get_text_config", None)
-    text = get(decoder=True) if callable(get) else config
+    text = _text(config)
     window = getattr(text, "sliding_window", None)
     if window is None:
         return None, []
@@ -53,7 +75,7 @@ def sliding_window_layers(config) -> tuple[int | None, list[int]]:
         return None, []
     types = getattr(text, "layer_types", None)
     if types is not None:
-        layers = [i for i, t in enumerate(types) if t in ("sliding_attention", "chunked_attention")]
+        layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
     elif getattr(text, "use_sliding_window", True) is False:
         layers = []
     else:
@@ -61,23 +83,34 @@ def sliding_window_layers(config) -> tuple[int | None, list[int]]:
     return (window if layers else None), layers
 
 
-def check_full_attention(config) -> None:
-    """Refuse a model with sliding-window layers (decision of issue #13: refuse, not honour).
+def check_attention(config) -> None:
+    """Refuse what a KVpop cache cannot bound exactly, in one error naming the field, before any work.
 
-    A KVpop cache would let such a layer attend to sinks and long-range tokens older than the
-    model's window, which it never saw in training; the model silently becomes a different one.
+    Full-attention layers get the bounded cache; sliding-window layers keep exactly their own
+    window (the model's attention, unchanged). Refused: a model whose every layer slides (its
+    cache is bounded already: there is nothing for kvpop to bound), layer types other than
+    full and sliding attention (chunked, linear, ...), and attention logit soft-capping (Gemma 2),
+    which kvpop's attention does not apply.
     """
-    window, layers = sliding_window_layers(config)
-    if layers:
-        get = getattr(config, "get_text_config", None)
-        text = get(decoder=True) if callable(get) else config
-        shown = layers if len(layers) <= 8 else [*layers[:8], "..."]
+    text = _text(config)
+    window, sliding = sliding_window_layers(text)
+    n = int(text.num_hidden_layers)
+    if sliding and len(sliding) == n:
         raise ValueError(
-            f"kvpop supports full-attention layers only, but this {text.model_type} config sets "
-            f"sliding_window={window}, used by layers {shown} (config.layer_types / use_sliding_window). A "
-            "KVpop cache would let those layers attend beyond their window. Use a model without sliding-window "
-            "attention, or set config.sliding_window = None if you accept running it as full attention."
+            f"every layer of this {text.model_type} config slides (sliding_window={window} on all {n} layers): its "
+            f"KV cache is bounded already, at {window} tokens per layer, so kvpop has nothing to bound. Use "
+            "transformers' own cache (policy='dense' / no cache argument), or a model with full-attention layers."
         )
+    other = sorted({t for t in (getattr(text, "layer_types", None) or []) if t not in ("full_attention", "sliding_attention")})
+    if other:
+        raise ValueError(f"kvpop bounds full-attention layers and keeps sliding-window ones; this {text.model_type} config "
+                         f"has layer_types {other}, which it does not support")  # fmt: skip
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"this {text.model_type} config sets attn_logit_softcapping={text.attn_logit_softcapping}, "
+                         "which kvpop's attention does not apply (its outputs would differ from the model's)")  # fmt: skip
+    if getattr(text, "use_bidirectional_attention", False):
+        raise ValueError(f"this {text.model_type} config sets use_bidirectional_attention=True: a KV cache needs causal "
+                         "attention")  # fmt: skip
 
 
 def budget_of_compression(compression: float, reference_length: int | None) -> int:

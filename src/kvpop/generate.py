@@ -17,7 +17,7 @@ from transformers.generation.streamers import BaseStreamer
 from .cache import KVpopCache, make_cache
 from .compat import cache_kwargs
 from .config import BudgetArgs
-from .models import kv_bytes_per_token
+from .models import kv_bytes_at
 from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy
 from .validate import check_int, check_prompts
 
@@ -72,7 +72,8 @@ class _StepTimer(BaseStreamer):
 
 
 def dense_kv_bytes(config, batch: int, tokens: int, dtype: torch.dtype) -> int:
-    return kv_bytes_per_token(config, dtype) * batch * tokens
+    """What the model's own cache holds for ``batch`` sequences of ``tokens`` (sliding layers: their window)."""
+    return kv_bytes_at(config, tokens, dtype) * batch
 
 
 @torch.no_grad()
@@ -149,7 +150,7 @@ def generate(
     generate_kwargs.setdefault("do_sample", False)
     generate_kwargs.setdefault("pad_token_id", tokenizer.pad_token_id)
     if cache is not None:
-        generate_kwargs.update(cache_kwargs(cache))
+        generate_kwargs.update(cache_kwargs(cache))  # transformers 5.19 refuses cache=, it takes past_key_values=
     timer = None
     if "streamer" not in generate_kwargs and generate_kwargs.get("num_beams", 1) == 1:
         timer = generate_kwargs["streamer"] = _StepTimer()

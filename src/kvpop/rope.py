@@ -32,6 +32,9 @@ class RopeSpec:
     def from_config(cls, config) -> RopeSpec:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         params = dict(getattr(text, "rope_parameters", None) or {})
+        layer_type = None
+        if isinstance(params.get("full_attention"), dict):  # per layer type (Gemma 3): the full layers' RoPE,
+            layer_type, params = "full_attention", dict(params["full_attention"])  # what a KVpop cache holds
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
@@ -43,7 +46,7 @@ class RopeSpec:
 
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise ValueError(f"unknown rope_type {rope_type!r} in the model config; cannot undo its RoPE")
-        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](text, None)
+        inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](text, None, **({"layer_type": layer_type} if layer_type else {}))
         return cls(inv.float(), float(scaling))
 
     def unrotate(self, keys: Tensor, positions: Tensor) -> Tensor:

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup: dict[str, float] = {}
     for spec in specs if args.warmup else ():
         t0 = time.perf_counter()
-        model(ids[:, : args.warmup], cache=cache_for_spec(model, spec))
+        model(ids[:, : args.warmup], **cache_kwargs(cache_for_spec(model, spec)))
         warmup[spec] = time.perf_counter() - t0
     for _ in range(args.repeats):
         for spec in specs:

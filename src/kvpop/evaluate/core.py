@@ -53,7 +53,7 @@ def oracle_targets_multi(model, input_ids: Tensor, windows) -> dict[int, list[Te
     with capturing(model, window=ws[0], extra_windows=ws[1:]) as state:
         (dec or model)(input_ids=ids, use_cache=False)
     caps = state.result()
-    n_layers = attention_shape(model.config).num_layers
+    n_layers = len(attention_shape(model.config).bounded)  # the capture records the full-attention layers
     if len(caps) != n_layers:
         raise RuntimeError(f"captured {len(caps)} attention layers of {n_layers}; cannot build the oracle")
     out = {w: [c.targets.get(w, c.target if w == ws[0] else None) for c in caps] for w in ws}

@@ -67,10 +67,11 @@ class LearnedPolicy(Policy):
         check_fingerprint(self.fingerprint, self.source, config=config)
         cfg = self.scorer.config
         shape = attention_shape(config)
-        if (cfg.num_layers, cfg.kv_heads, cfg.head_dim) != (shape.num_layers, shape.kv_heads, shape.head_dim):
+        n = len(shape.bounded)  # one scorer per full-attention layer (a sliding layer keeps its own window)
+        if (cfg.num_layers, cfg.kv_heads, cfg.head_dim) != (n, shape.kv_heads, shape.head_dim):
             raise ScorerMismatchError(
                 f"scorer {self.source} was built for {cfg.num_layers} layers x {cfg.kv_heads} KV heads x head_dim "
-                f"{cfg.head_dim}; this model has {shape.num_layers} x {shape.kv_heads} x {shape.head_dim}"
+                f"{cfg.head_dim}; this model has {n} full-attention layers x {shape.kv_heads} x {shape.head_dim}"
             )
 
     def observation_windows(self, window: int) -> tuple[int, ...]:

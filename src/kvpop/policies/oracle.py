@@ -35,8 +35,9 @@ class OraclePolicy(Policy):
 
     def validate(self, config, eviction) -> None:
         shape = attention_shape(config)
-        if len(self.targets) != shape.num_layers:
-            raise ValueError(f"oracle has targets for {len(self.targets)} layers, the model has {shape.num_layers}")
+        if len(self.targets) != len(shape.bounded):
+            raise ValueError(f"oracle has targets for {len(self.targets)} layers, the model has {len(shape.bounded)} "
+                             "full-attention layers")  # fmt: skip
         for t in self.targets:
             if t.ndim != 3 or t.shape[1] != shape.kv_heads:
                 raise ValueError(f"oracle targets must be [batch, {shape.kv_heads}, S], got {tuple(t.shape)}")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+HYBRID_ARCHS = ("gemma3",)  # sliding-window and full-attention layers (tiny_config("gemma3"))
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 _SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>")
@@ -35,17 +36,18 @@ CHAT_TEMPLATE = (
 
 
 def _config_class(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+               "gemma3": Gemma3TextConfig}  # fmt: skip
     if arch not in classes:
-        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS + HYBRID_ARCHS}")
     return classes[arch]
 
 
 def tiny_config(
     arch: str = "llama",
-    num_hidden_layers: int = 2,
+    num_hidden_layers: int | None = None,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
     head_dim: int = 16,
@@ -54,12 +56,16 @@ def tiny_config(
     max_position_embeddings: int = 4096,
     **overrides: Any,
 ):
-    """A tiny config of ``arch`` (one of :data:`ARCHS`), with SDPA attention and no sliding window.
+    """A tiny config of ``arch`` (one of :data:`ARCHS`), with SDPA attention and no sliding window;
+    or of ``"gemma3"`` (:data:`HYBRID_ARCHS`): 4 layers by default, sliding (window 8) and full
+    attention alternating, ``sliding, full, sliding, full``.
 
     ``overrides`` are passed to the config class (e.g. ``tie_word_embeddings=True``,
     ``attn_implementation="eager"``, ``rope_parameters={...}``).
     """
     cls = _config_class(arch)
+    if num_hidden_layers is None:
+        num_hidden_layers = 4 if arch == "gemma3" else 2
     kwargs: dict[str, Any] = {
         "num_hidden_layers": num_hidden_layers,
         "num_attention_heads": num_attention_heads,
@@ -80,6 +86,10 @@ def tiny_config(
     if arch in ("qwen2", "qwen3"):
         kwargs["use_sliding_window"] = False
         kwargs["sliding_window"] = None
+    if arch == "gemma3":
+        kwargs.update(sliding_window=8, query_pre_attn_scalar=head_dim,
+                      layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                   for i in range(num_hidden_layers)])  # fmt: skip
     kwargs.update(overrides)
     attn = kwargs.pop("attn_implementation", None)
     config = cls(**kwargs)
@@ -97,6 +107,11 @@ def tiny_model(
     config = tiny_config(arch, **config_overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if arch == "gemma3":  # its norms start at zero (a scale of 1): every key would have the same norm, ties everywhere
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.5)
     return model.eval()
 
 
@@ -113,12 +128,13 @@ def compile_unavailable(reason: str) -> None:
 def random_learned_policy(model, kind: str = "mlstm", extra: bool = False, seed: int = 7):
     """A ``LearnedPolicy`` with a seeded random-init scorer for ``model`` (tests). ``extra``: the
     scorer also undoes RoPE, reads observed attention (windows None, 4, 1) and has a random tilt."""
+    from ..config import attention_shape
     from ..policies import LearnedPolicy
     from ..rope import RopeSpec
     from ..scorers import ScorerConfig, build_scorer
 
     text = model.config
-    cfg = ScorerConfig(kind=kind, num_layers=text.num_hidden_layers, kv_heads=text.num_key_value_heads,
+    cfg = ScorerConfig(kind=kind, num_layers=len(attention_shape(text).bounded), kv_heads=text.num_key_value_heads,
                        head_dim=text.head_dim, seed=seed, position_free=extra,
                        observed=(None, 4, 1) if extra else (), tilt=extra)
     scorer = build_scorer(cfg)

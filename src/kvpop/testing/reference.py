@@ -6,6 +6,10 @@ per head a plain Python list of the long-range tokens, decided by the same rule 
 only the policies with :class:`kvpop.KVpopCache`, so agreement between the two (logits and
 held sets) checks the physical cache, the chunked prefill, the padding handling and the
 observed-attention statistics at once. Batch size 1 only; it is for tests, not for speed.
+
+A model with sliding-window layers: those attend densely over their own window (the last
+``sliding_window`` tokens, written out here from the definition), the full-attention layers as
+above, each with the policy's layer index among the full-attention layers.
 """
 
 from __future__ import annotations
@@ -31,23 +35,29 @@ class MaskedReference:
         shape = attention_shape(model.config)
         self.model, self.cfg, self.policy = model, eviction, policy
         self.num_layers, self.kv_heads = shape.num_layers, shape.kv_heads
+        self.bounded, self.sliding_window = shape.bounded, shape.sliding_window
         policy.validate(model.config, eviction)
-        self.states = [None] * self.num_layers
-        self.long_range = [[[] for _ in range(self.kv_heads)] for _ in range(self.num_layers)]
-        self.prio: list[dict[int, float]] = [{} for _ in range(self.num_layers)]
-        self.local_probs: list[list[torch.Tensor]] = [[] for _ in range(self.num_layers)]  # [h, t+1] per query
+        n = len(self.bounded)  # per-layer state below: by the policy's index (among the full-attention layers)
+        self.states = [None] * n
+        self.long_range = [[[] for _ in range(self.kv_heads)] for _ in range(n)]
+        self.prio: list[dict[int, float]] = [{} for _ in range(n)]
+        self.local_probs: list[list[torch.Tensor]] = [[] for _ in range(n)]  # [h, t+1] per query
         self.t = -1
 
     def held(self, layer: int, head: int, t: int) -> set[int]:
+        """The tokens model layer ``layer`` holds for ``head`` at step ``t``."""
+        if layer not in self.bounded:  # a sliding layer: its own window
+            return set(range(max(0, t - self.sliding_window + 1), t + 1))
         s, w = self.cfg.sinks, self.cfg.window
-        return set(range(min(s, t + 1))) | set(range(max(s, t - w + 1), t + 1)) | set(self.long_range[layer][head])
+        lr = self.long_range[self.bounded.index(layer)][head]
+        return set(range(min(s, t + 1))) | set(range(max(s, t - w + 1), t + 1)) | set(lr)
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[1, T, vocab]`` of the sequence fed one token at a time."""
         if input_ids.shape[0] != 1:
             raise ValueError("MaskedReference runs batch size 1")
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache()  # every key of every layer (a sliding layer masks its window below)
         logits = []
         _ACTIVE.append(self)
         try:
@@ -61,13 +71,16 @@ class MaskedReference:
         return torch.cat(logits, dim=1)
 
     def attention(self, module, query, key, value, scaling):
-        layer, t = module.layer_idx, self.t
+        t = self.t
         s, w, k = self.cfg.sinks, self.cfg.window, self.cfg.k
         hq, h = query.shape[1], key.shape[1]
         g = hq // h
         q = query[0, :, 0].float().view(h, g, -1)  # [h, g, d]
         keys = key[0].float()  # [h, t+1, d]
         logits = torch.einsum("hgd,htd->hgt", q, keys) * scaling
+        if module.layer_idx not in self.bounded:
+            return self._attend(module.layer_idx, logits, value, query)
+        layer = self.bounded.index(module.layer_idx)
         pos = torch.arange(t + 1)
         local = (pos < s) | (pos > t - w)
         p_local = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1).mean(1)  # [h, t+1]
@@ -113,6 +126,11 @@ class MaskedReference:
                     if key_of(e) > key_of(worst):
                         lr.remove(worst)
                         lr.append(e)
+        return self._attend(module.layer_idx, logits, value, query)
+
+    def _attend(self, layer: int, logits, value, query):
+        """Attention of the step's query over the keys model layer ``layer`` holds."""
+        t, hq, h = self.t, query.shape[1], value.shape[1]
         mask = torch.zeros(h, t + 1, dtype=torch.bool)
         for head in range(h):
             mask[head, sorted(self.held(layer, head, t))] = True

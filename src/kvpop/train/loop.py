@@ -47,7 +47,7 @@ class AllLayers(torch.nn.Module):
 def build_run_scorer(cfg: TrainConfig, model) -> ScorerStack:
     shape = attention_shape(model.config)
     scfg = ScorerConfig(
-        kind=cfg.scorer, num_layers=shape.num_layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        kind=cfg.scorer, num_layers=len(shape.bounded), kv_heads=shape.kv_heads, head_dim=shape.head_dim,
         hidden=cfg.hidden, dk=cfg.dk, dv=cfg.dv, seed=cfg.seed, position_free=cfg.position_free,
         observed=cfg.observed, tilt=cfg.tilt,
     )  # fmt: skip
