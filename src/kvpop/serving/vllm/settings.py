@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ...cache import KVpopCache, make_cache
+from ...config import BudgetArgs
 from ...policies import DENSE, LEARNED_POLICIES, POLICIES, TEACHER_FORCED_ONLY
 
 KEY = "kvpop"  # the additional_config key that switches the plugin on
@@ -24,26 +25,19 @@ class SettingsError(ValueError):
 
 
 @dataclass(frozen=True)
-class ServeSettings:
+class ServeSettings(BudgetArgs):
     """What ``additional_config["kvpop"]`` may hold (every key optional but one of budget/k/compression).
 
-    ``budget``, ``k``, ``compression`` + ``reference_length``, ``window``, ``sinks``, ``lam``,
-    ``prefill_chunk``: as for ``KVpopCache``. ``policy``: a kvpop policy name (default ``"kvpop"``,
-    the shipped mLSTM scorer). ``scorer``: a scorer checkpoint for a learned policy (default: the
-    one shipped for the embedded SmolLM2-135M-Instruct). ``seed``: for ``policy="random"``.
-    ``compile``: compile the decode steady state (``KVpopCache(compile=True)``: faster steps after a
-    compilation of a few seconds per batch size; the same decisions, outputs equal up to rounding).
+    The budget keywords are :class:`kvpop.config.BudgetArgs`' (``budget``, ``k``, ``compression`` +
+    ``reference_length``, ``window``, ``sinks``, ``lam``, ``prefill_chunk``), as for ``KVpopCache``.
+    ``policy``: a kvpop policy name (default ``"kvpop"``, the shipped mLSTM scorer). ``scorer``: a
+    scorer checkpoint for a learned policy (default: the one shipped for the embedded
+    SmolLM2-135M-Instruct). ``seed``: for ``policy="random"``. ``compile``: compile the decode steady
+    state (``KVpopCache(compile=True)``: faster steps after a compilation of a few seconds per batch
+    size; the same decisions, outputs equal up to rounding).
     """
 
-    budget: int | None = None
     policy: str = "kvpop"
-    k: int | None = None
-    compression: float | None = None
-    reference_length: int | None = None
-    window: int | None = None
-    sinks: int = 4
-    lam: float | None = None
-    prefill_chunk: int | None = None
     scorer: str | None = None
     seed: int | None = None
     compile: bool = False
@@ -87,10 +81,7 @@ class ServeSettings:
         if self.seed is not None:
             kwargs["seed"] = self.seed
         try:
-            return make_cache(
-                copy.deepcopy(hf_config), self.policy, budget=self.budget, k=self.k, compression=self.compression,
-                reference_length=self.reference_length, window=self.window, sinks=self.sinks, lam=self.lam,
-                prefill_chunk=self.prefill_chunk, compile=self.compile, **kwargs,
-            )  # fmt: skip
+            budget = {f.name: getattr(self, f.name) for f in fields(BudgetArgs)}
+            return make_cache(copy.deepcopy(hf_config), self.policy, compile=self.compile, **budget, **kwargs)
         except (ValueError, TypeError, FileNotFoundError) as exc:
             raise SettingsError(f"additional_config[{KEY!r}]: {exc}") from exc
