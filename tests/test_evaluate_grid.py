@@ -373,3 +373,21 @@ def test_merged_notes_drop_superseded_resume_hints():
                 {"tag": "shard-1-of-2", "notes": ["corpus x: only 1 doc"]}]  # fmt: skip
     notes = build_results([], sessions, {}, n_boot=10)["notes"]
     assert notes == ["corpus x: only 1 doc", fresh]
+
+
+def test_a_learned_policy_is_resolved_once_per_run(model, tmp_path, monkeypatch):
+    """The scorer checkpoint is read (and the model's weights hashed) once per run, not once per unit."""
+    from kvpop import checkpoint
+    from kvpop.checkpoint import model_fingerprint, save_scorer
+    from kvpop.scorers import ScorerConfig, build_scorer
+
+    path = save_scorer(build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16)),
+                       tmp_path / "mlp.safetensors", {"fingerprint": model_fingerprint(model)})  # fmt: skip
+    reads = []
+    real = checkpoint.load_scorer
+    monkeypatch.setattr(checkpoint, "load_scorer", lambda *a, **k: reads.append(a) or real(*a, **k))
+    res = _run(model, _cfg(tasks=("lm", "continuation"), policies=("streaming", "kvpop-mlp"),
+                           policy_kwargs={"kvpop-mlp": {"path": str(path)}}))  # fmt: skip
+    units = [r for r in res["records"] if r["policy"] == "kvpop-mlp"]
+    assert len(units) == 4  # 2 tasks x 2 budgets, each over 3 documents: 12 caches
+    assert len(reads) == 2  # the check before any work (check_policies), then once for the whole grid

@@ -18,7 +18,7 @@ from ..cache import KVpopCache, make_cache
 from ..capture import capturing
 from ..config import EvictionConfig, attention_shape
 from ..mask import masked_eviction
-from ..policies import DENSE, POLICIES, TEACHER_FORCED_ONLY, OraclePolicy, policy_names
+from ..policies import DENSE, POLICIES, TEACHER_FORCED_ONLY, OraclePolicy, Policy, policy_names
 from ..quality import CHUNK, DenseCache, decoder_and_head, hidden_states, logits_of, score_document
 
 ORACLE = TEACHER_FORCED_ONLY[0]
@@ -67,7 +67,7 @@ def oracle_window(budget: int, sinks: int, window: int | None) -> int:
     return EvictionConfig.from_budget(budget, window=window, sinks=sinks).window
 
 
-def build_cache(model, name: str, budget: int, *, sinks: int = 4, window: int | None = None,
+def build_cache(model, name: str | Policy, budget: int, *, sinks: int = 4, window: int | None = None,
                 oracle: dict[int, list[Tensor]] | None = None, lam: float | None = None,
                 **policy_kwargs) -> KVpopCache | None:  # fmt: skip
     """The cache of policy ``name`` at ``budget`` slots per KV head (``None`` for dense).
@@ -76,9 +76,10 @@ def build_cache(model, name: str, budget: int, *, sinks: int = 4, window: int | 
     default (StreamingLLM: ``sinks`` + a window of the rest of the budget); the resolved layout is
     ``cache.eviction``. ``oracle``: ``{window: targets}`` (:func:`oracle_targets_multi`) holding the
     oracle's window (``EvictionConfig.from_budget(budget, window=window, sinks=sinks).window``).
+    ``name`` may be a policy instance (resolved once per run: no checkpoint read, no weight hash).
     Anything that keeps the policy from being built is raised as :class:`PolicyUnavailable`.
     """
-    reason = policy_available(name)
+    reason = None if isinstance(name, Policy) else policy_available(name)
     if reason is not None:
         raise PolicyUnavailable(reason)
     if name == DENSE:

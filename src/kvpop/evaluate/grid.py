@@ -15,8 +15,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..policies import LEARNED_POLICIES, Policy, get_policy
 from ..quality import continuation_start, dense_logprobs, doc_key, hidden_states, lm_start, score_document
-from .core import DENSE, ORACLE, build_cache, nll_positions, oracle_targets_multi, oracle_window, window_only_hidden
+from .core import (
+    DENSE,
+    ORACLE,
+    PolicyUnavailable,
+    build_cache,
+    nll_positions,
+    oracle_targets_multi,
+    oracle_window,
+    policy_available,
+    window_only_hidden,
+)
 from .stats import sums_to_dict
 from .store import unit_key
 from .tasks import agreement_result, greedy, multikey_result, needle_result
@@ -58,7 +69,24 @@ class Settings:
     reference_length: int = 4096
     budgets: tuple[int, ...] = ()  # every budget of the run (the oracle captures all windows at once)
     policy_kwargs: dict = field(default_factory=dict)
+    # policy instances, each made once per run: a learned scorer's checkpoint is read and the model's
+    # weights hashed once, not once per unit (a cache built from an instance does neither)
+    resolved: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def policy(self, model, name: str) -> str | Policy:
+        """Policy ``name`` for :func:`kvpop.evaluate.core.build_cache`: an instance made at its first
+        use (with ``policy_kwargs[name]``), the name itself for dense and the oracle (built per item)."""
+        if name in (DENSE, ORACLE) or policy_available(name) is not None:
+            return name
+        if name not in self.resolved:
+            kw = dict(self.policy_kwargs.get(name, {}))
+            if name in LEARNED_POLICIES:
+                kw.setdefault("model", model)
+            try:
+                self.resolved[name] = get_policy(name, **kw)
+            except (TypeError, ValueError, KeyError, OSError, RuntimeError) as exc:
+                raise PolicyUnavailable(f"cannot build policy {name!r}: {exc}") from exc
+        return self.resolved[name]
 
     def window_for(self, budget: int) -> int | None:
         """The protected window of every policy at ``budget`` (None: each policy's own default)."""
@@ -199,10 +227,9 @@ class ItemContext:
         return self._dense_new
 
     def cache(self, policy: str, budget: int):
-        kw = dict(self.s.policy_kwargs.get(policy, {}))
         oracle = self.oracle() if policy == ORACLE else None
-        return build_cache(self.model, policy, budget, sinks=self.s.sinks, window=self.s.window_for(budget), oracle=oracle,
-                           lam=self.s.lam, **kw)
+        return build_cache(self.model, self.s.policy(self.model, policy), budget, sinks=self.s.sinks,
+                           window=self.s.window_for(budget), oracle=oracle, lam=self.s.lam)  # fmt: skip
 
     # -------------------------------------------------------------------------- units
 
