@@ -158,7 +158,7 @@ def plot(results: dict, out: Path) -> Path:
         bars = a.bar([i + (j - 0.5) * w for i in x], vals, w, label=mode if mode == DENSE else f"{mode} B={results['budget']}")
         a.bar_label(bars, fontsize=8)
     a.set_xticks(list(x), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
-    a.set_xlabel("request length L (prompt tokens)")
+    a.set_xlabel("request length L (prompt + new tokens)")
     a.set_ylabel("concurrent requests (measured)")
     a.set_title(f"admitted at {results['kv_space_mib']} MiB of KV cache")
     a.legend()
