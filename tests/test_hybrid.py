@@ -219,3 +219,52 @@ def test_beam_search_reorders_both_kinds_of_layer(policy):
         alone = _logits(model, torch.cat([prompt, new[:, :-1]], 1), KVpopCache(model.config, policy=pol, **KW), 24)
         logp = torch.log_softmax(alone[0, 23:].float(), -1)[torch.arange(12), new[0]].sum()
         assert float(logp) == pytest.approx(float(out.sequences_scores[row]), abs=1e-3)
+
+
+# --- the training-time mask (kvpop.mask.masked_eviction) on hybrid models --------------------------
+
+
+@pytest.mark.parametrize("arch", list(HYBRIDS))
+@pytest.mark.parametrize("name", ["streaming", "kvpop-mlp+", "kvpop", "oracle"])
+def test_masked_eviction_equals_the_cache_on_hybrid_models(arch, name):
+    """One cache-free forward under masked_eviction (what kvpop adapt and the evaluation's window-only
+    pass run) equals KVpopCache: full-attention layers masked by the rule, sliding layers their own window;
+    priority functions count the full-attention layers by rank."""
+    from kvpop.mask import learned_priority_fn, masked_eviction, oracle_priority_fn, streaming_priority_fn
+
+    model = tiny_model(arch, **HYBRIDS[arch])
+    ids = _ids(60, seed=3)
+    pol = _policy(name, model, ids)
+    s, w, b = KW["sinks"], KW["window"], KW["budget"]
+    if name == "streaming":
+        fn, window, k = streaming_priority_fn(), b - s, 0
+    elif name == "oracle":
+        fn, window, k = oracle_priority_fn(pol.targets), w, b - s - w
+    else:
+        fn, window, k = learned_priority_fn(pol.scorer, w, sinks=s), w, b - s - w
+    cache = KVpopCache(model.config, policy=pol, **KW)
+    with torch.no_grad():
+        want = model(ids, **cache_kwargs(cache)).logits
+        with masked_eviction(model, fn, sinks=s, window=window, k=k, query_block=7):
+            got = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - model(ids).logits).abs().max() > 1e-2  # the mask does bite
+
+
+@pytest.mark.parametrize("arch", list(HYBRIDS))
+def test_masked_eviction_without_eviction_is_the_model_itself(arch):
+    """Window >= S: nothing leaves, so only the sliding layers' own windows act: the model's own forward,
+    also with left padding (the padded row's real tokens equal the row alone)."""
+    from kvpop.mask import masked_eviction
+
+    model = tiny_model(arch, **HYBRIDS[arch])
+    ids = _ids(40, seed=4)
+    with torch.no_grad():
+        with masked_eviction(model, None, sinks=2, window=64, k=0, query_block=16):
+            got = model(input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(got, model(ids).logits, rtol=1e-5, atol=1e-5)
+        padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], 1)
+        mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones_like(ids)], 1)
+        with masked_eviction(model, None, sinks=2, window=64, k=0, query_block=16):
+            got_pad = model(input_ids=padded, attention_mask=mask, use_cache=False).logits[:, 5:]
+    torch.testing.assert_close(got_pad, got, rtol=1e-4, atol=1e-4)

@@ -32,9 +32,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import attention_implementation, register
+from .config import attention_shape
 from .rule import NEVER, check_count, leave_steps
 
 __all__ = [
@@ -184,6 +186,10 @@ class MaskedEvictionState:
     backend: str = "auto"
     keep_leave: bool = False
     leave: dict[int, Tensor] | None = None
+    # a hybrid model: each full-attention layer's rank among them (what priority_fn is called with, as a
+    # scorer or the oracle's targets count layers), and the sliding layers' window (run as the model's own)
+    ranks: dict[int, int] | None = None
+    sliding_window: int | None = None
 
 
 _ACTIVE: contextvars.ContextVar[MaskedEvictionState | None] = contextvars.ContextVar("kvpop_masked", default=None)
@@ -267,6 +273,30 @@ def _takes_queries(fn) -> bool:
     return any(p.name == "queries" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
+def _sliding_attention(query, key, value, attention_mask, window: int, scale: float, dropout: float,
+                       block: int) -> Tensor:  # fmt: skip
+    """A sliding-window layer of a hybrid model, as the model runs it with its own cache: query ``i``
+    sees keys ``j`` with ``i - window < j <= i`` (physical positions, as transformers' sliding mask and
+    ``DynamicSlidingWindowLayer``), padding keys never; ``[b, hq, S, d]`` computed ``block`` queries at
+    a time against the keys they may see (memory ``O(S (window + block))``). A padding query sees itself
+    only (its output is never used)."""
+    b, hq, S, _ = query.shape
+    g = hq // key.shape[1]
+    key, value = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
+    pad = None if attention_mask is None else attention_mask.bool()
+    out = torch.empty(b, hq, S, value.shape[-1], dtype=query.dtype, device=query.device)
+    for a in range(0, S, block):
+        e, lo = min(S, a + block), max(0, a - window + 1)
+        qi = torch.arange(a, e, device=query.device).view(-1, 1)
+        kj = torch.arange(lo, e, device=query.device).view(1, -1)
+        see = ((kj <= qi) & (kj > qi - window)).view(1, 1, e - a, e - lo)
+        if pad is not None:
+            see = (see & pad[:, lo:e].view(b, 1, 1, e - lo)) | (kj == qi).view(1, 1, e - a, e - lo)
+        out[:, :, a:e] = F.scaled_dot_product_attention(query[:, :, a:e], key[:, :, lo:e], value[:, :, lo:e],
+                                                        attn_mask=see, dropout_p=dropout, scale=scale)  # fmt: skip
+    return out.transpose(1, 2).contiguous()
+
+
 def _masked_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     state = _ACTIVE.get()
     if state is None:
@@ -278,17 +308,19 @@ def _masked_attention(module, query, key, value, attention_mask, dropout: float 
         raise RuntimeError("masked_eviction expects a cache-free forward over the whole sequence (use_cache=False)")
     if any(kwargs.get(m) is not None for m in _UNSUPPORTED):
         raise ValueError(f"masked_eviction does not support attention modifiers {_UNSUPPORTED}")
-    sw = kwargs.get("sliding_window")
-    if sw is not None and S > sw:
-        raise ValueError(
-            f"layer {layer} uses sliding-window attention ({sw} < S={S}); masked_eviction assumes full causal attention"
-        )
     if attention_mask is not None and attention_mask.ndim != 2:
         raise ValueError("masked_eviction expects a 2-D padding mask [batch, S]")
     if not module.training:
         dropout = 0.0
     scale = float(scaling) if scaling is not None else d**-0.5
+    if state.ranks is not None and layer not in state.ranks:  # a sliding layer: its own window, no eviction
+        return _sliding_attention(query, key, value, attention_mask, state.sliding_window, scale, dropout,
+                                  state.query_block), None  # fmt: skip
+    if kwargs.get("sliding_window") is not None and S > kwargs["sliding_window"]:
+        raise ValueError(f"layer {layer} uses sliding-window attention ({kwargs['sliding_window']} < S={S}), but the "
+                         "model's config names no sliding layer")  # fmt: skip
     pos = logical_positions(attention_mask, b, S, device=query.device)
+    layer = layer if state.ranks is None else state.ranks[layer]  # what priority_fn and keep_leave count
 
     if state.k == 0 or state.priority_fn is None:
         if state.k > 0:
@@ -354,6 +386,10 @@ def masked_eviction(
     they may see: time and memory ``O(S (B + query_block))`` per head),
     ``"flex"`` (FlexAttention, CUDA), or ``"auto"`` (flex on CUDA, else sdpa).
     ``keep_leave``: record each layer's leave steps in the yielded state's ``leave``.
+    A hybrid model (Gemma 3, Qwen2/3 with sliding layers): only its full-attention layers are masked,
+    and ``priority_fn`` and ``leave`` count them by rank among the full-attention layers (as a
+    scorer's layers and the oracle's targets do); each sliding layer attends over its own window,
+    as the model with its own cache (and ``KVpopCache``) runs it.
     Padding: pass the usual 2-D ``attention_mask``; real tokens of a row get logical indices
     ``0, 1, ...`` as in :class:`kvpop.KVpopCache` (left padding). The model's attention
     implementation is restored on exit, also on errors.
@@ -365,8 +401,12 @@ def masked_eviction(
         raise ValueError(f"backend must be 'auto', 'sdpa' or 'flex'; got {backend!r}")
     if k > 0 and priority_fn is None:
         raise ValueError("k > 0 long-range slots need a priority_fn (priority_fn=None is for k = 0)")
+    shape = attention_shape(model.config)
+    hybrid = len(shape.bounded) < shape.num_layers
     state = MaskedEvictionState(
-        priority_fn, sinks, window, k, query_block, backend, keep_leave, {} if keep_leave else None
-    )
+        priority_fn, sinks, window, k, query_block, backend, keep_leave, {} if keep_leave else None,
+        ranks={layer: r for r, layer in enumerate(shape.bounded)} if hybrid else None,
+        sliding_window=shape.sliding_window if hybrid else None,
+    )  # fmt: skip
     with attention_implementation(model, MASK_ATTN_NAME, _ACTIVE, state):
         yield state
