@@ -190,9 +190,7 @@ class KVpopLayer(CacheLayerMixin):
 
     def kv_bytes(self) -> int:
         """Bytes held by keys and values (the ``B`` slots, not the trash slot)."""
-        if not self.is_initialized:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        return _held_bytes(self)
 
     # --- kvpop --------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
@@ -324,9 +322,8 @@ def _layers_used(layers) -> int:
 
 
 def _held_bytes(layer) -> int:
-    """Bytes of keys and values a layer holds now (a sliding layer: its last ``window - 1`` tokens)."""
-    if isinstance(layer, KVpopLayer):
-        return layer.kv_bytes()
+    """Bytes of the keys and values a cache layer holds now: a KVpop layer's ``B`` slots (its ``keys`` /
+    ``values`` views leave the trash slot out), a sliding layer's last ``window - 1`` tokens."""
     if not layer.is_initialized:
         return 0
     return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()

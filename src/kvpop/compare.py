@@ -2,7 +2,7 @@
 
 One model, one prompt, one budget; one :func:`kvpop.generate` per policy, then one small table:
 the answer, the KV cache held at the end (and its share of what dense held for the same tokens),
-prefill and decode tokens per second, and whether the cache's decode step ran compiled. So a
+prefill and decode tokens per second, and which decode step the cache ran (compiled or eager). So a
 newcomer sees in one run what a bounded cache keeps and what it saves.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .generate import GenerationResult, generate
 
-__all__ = ["Outcome", "compare", "decode_step", "human_bytes", "table"]
+__all__ = ["Outcome", "compare", "human_bytes", "table"]
 
 
 def human_bytes(n: float) -> str:
@@ -22,12 +22,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return str(n)
-
-
-def decode_step(cache) -> str:
-    """Which decode step a cache ran: ``-`` (dense: no kvpop cache), else the cache's own
-    ``compile_status`` (``compiled``, ``eager``, ``eager (compiling failed: ...)``, ...)."""
-    return "-" if cache is None else cache.compile_status
 
 
 @dataclass
@@ -46,7 +40,7 @@ class Outcome:
             "kv_share_of_dense": r.kv_bytes / max(1, r.dense_kv_bytes),
             "prefill_tokens_per_s": r.prefill_tokens_per_s,
             "decode_tokens_per_s": r.decode_tokens_per_s,
-            "decode_step": decode_step(r.cache),
+            "decode_step": r.compile_status or "-",  # "-": dense, no kvpop cache
             "answer": " ".join(r.text.split()),
         }
 

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..policies import LEARNED_POLICIES, Policy, get_policy
+from ..policies import Policy
 from ..quality import continuation_start, dense_logprobs, doc_key, hidden_states, lm_start, score_document
 from .core import (
     DENSE,
     ORACLE,
-    PolicyUnavailable,
     build_cache,
     nll_positions,
     oracle_targets_multi,
@@ -73,19 +72,14 @@ class Settings:
     # weights hashed once, not once per unit (a cache built from an instance does neither)
     resolved: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def policy(self, model, name: str) -> str | Policy:
-        """Policy ``name`` for :func:`kvpop.evaluate.core.build_cache`: an instance made at its first
-        use (with ``policy_kwargs[name]``), the name itself for dense and the oracle (built per item)."""
+    def policy(self, model, name: str, budget: int) -> str | Policy:
+        """Policy ``name`` for :func:`kvpop.evaluate.core.build_cache`: the instance its first cache
+        resolved (with ``policy_kwargs[name]``), the name itself for dense and the oracle (built per item)."""
         if name in (DENSE, ORACLE) or policy_available(name) is not None:
             return name
         if name not in self.resolved:
-            kw = dict(self.policy_kwargs.get(name, {}))
-            if name in LEARNED_POLICIES:
-                kw.setdefault("model", model)
-            try:
-                self.resolved[name] = get_policy(name, **kw)
-            except (TypeError, ValueError, KeyError, OSError, RuntimeError) as exc:
-                raise PolicyUnavailable(f"cannot build policy {name!r}: {exc}") from exc
+            self.resolved[name] = build_cache(model, name, budget, sinks=self.sinks, window=self.window_for(budget),
+                                              lam=self.lam, **self.policy_kwargs.get(name, {})).policy  # fmt: skip
         return self.resolved[name]
 
     def window_for(self, budget: int) -> int | None:
@@ -228,7 +222,7 @@ class ItemContext:
 
     def cache(self, policy: str, budget: int):
         oracle = self.oracle() if policy == ORACLE else None
-        return build_cache(self.model, self.s.policy(self.model, policy), budget, sinks=self.s.sinks,
+        return build_cache(self.model, self.s.policy(self.model, policy, budget), budget, sinks=self.s.sinks,
                            window=self.s.window_for(budget), oracle=oracle, lam=self.s.lam)  # fmt: skip
 
     # -------------------------------------------------------------------------- units

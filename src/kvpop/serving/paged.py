@@ -162,8 +162,8 @@ class PageLayout:
         buffers = LayerState(
             k=keys,
             v=values,
-            slot_index=_with_scratch(before.long(), -1),
-            lr_prio=_with_scratch(take("lr_prio"), -math.inf),
+            slot_index=_with_scratch(before.long(), LayerState.ROWS["slot_index"]),
+            lr_prio=_with_scratch(take("lr_prio"), LayerState.ROWS["lr_prio"]),
             observed=observed,
             n_real=n_real,
             policy_state=state,
