@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-SIZES = (8, 16, 32, 64, 128, 246)  # sequences of 8,192 tokens: 66k .. 2.0M tokens
+SIZES = (8, 16, 32, 64, 128, 168)  # sequences of 8,192 tokens: 66k .. 1.38M (168: what this machine's disk held)
 KINDS = ("mlp", "mlstm")
 RECIPE = ["--budget-range", "128,2048", "--windows-per-sequence", "3", "--seq-len", "8192", "--hidden", "128",
           "--lam", "0.0005", "--val-docs", "24", "--val-seq-len", "4096", "--ckpt-every", "41", "--no-progress"]
@@ -33,7 +33,7 @@ def run_name(kind: str, n: int) -> str:
 
 def command(kind: str, n: int, args) -> list[str]:
     out = Path(args.out) / run_name(kind, n)
-    val_every = args.ship_val_every if n == max(SIZES) else args.steps  # the largest runs are what ships
+    val_every = args.ship_val_every if n == max(args.sizes) else args.steps  # the largest runs are what ships
     return [sys.executable, "-m", "kvpop.train", "--kind", kind, "--out", str(out), "--store", args.store,
             "--cycle", str(n), "--steps", str(args.steps), "--val-every", str(val_every),
             "--val-cache", str(Path(args.out) / "val-cache"), *RECIPE]  # fmt: skip

@@ -121,6 +121,31 @@ def test_gguf_converts_once_and_matches(tmp_path, kvpop_cache, monkeypatch, tied
     assert convert_gguf(gguf_path, progress=False) == folder
 
 
+def test_gguf_cache_is_keyed_by_content(tmp_path, kvpop_cache, monkeypatch):
+    """The same GGUF installed at another path (a fresh virtualenv) reuses the converted copy; other
+    content never does."""
+    first = tmp_path / "a" / "tiny.gguf"
+    first.parent.mkdir()
+    write_tiny_gguf(first, seed=1)
+    load_model(first, progress=False)
+    second = tmp_path / "b" / "tiny.gguf"
+    second.parent.mkdir()
+    second.write_bytes(first.read_bytes())  # a new path and a new mtime, the same bytes
+    assert gguf_cache_folder(second) == gguf_cache_folder(first)
+    real_convert = models._convert_into
+    monkeypatch.setattr(models, "_convert_into", lambda *a: pytest.fail("the same content was converted twice"))
+    load_model(second, progress=False)
+    assert len(_cache_entries(kvpop_cache)) == 1
+
+    other = tmp_path / "c" / "tiny.gguf"
+    other.parent.mkdir()
+    write_tiny_gguf(other, seed=2)
+    assert gguf_cache_folder(other) != gguf_cache_folder(first)
+    monkeypatch.setattr(models, "_convert_into", real_convert)
+    load_model(other, progress=False)
+    assert len(_cache_entries(kvpop_cache)) == 2
+
+
 def test_gguf_progress_messages(tmp_path, kvpop_cache, capsys):
     gguf_path = tmp_path / "tiny.gguf"
     write_tiny_gguf(gguf_path)

@@ -278,14 +278,25 @@ def _inspect_gguf(path: Path) -> str:
     return model_type
 
 
+_KEYS: dict[tuple[str, int, int], str] = {}  # (real path, size, mtime) -> content key, per process
+
+
 def _gguf_key(path: Path) -> str:
-    """Short key for a GGUF file: its real path, size, mtime and first 64 KiB."""
+    """Short key for a GGUF file: the sha256 of its content (and of the conversion format).
+
+    Keyed by content, not by path: every fresh virtualenv installs the same package GGUF at a new
+    path, and a path key left one more 0.5 GB converted copy in the cache per environment. Hashing
+    100 MB takes about 0.2 s, once per process and file.
+    """
     st = path.stat()
-    h = hashlib.sha256()
-    h.update(f"{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0v{_FORMAT_VERSION}\0".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(65536))
-    return h.hexdigest()[:12]
+    stat_key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if stat_key not in _KEYS:
+        h = hashlib.sha256(f"kvpop-gguf-v{_FORMAT_VERSION}\0".encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        _KEYS[stat_key] = h.hexdigest()[:12]
+    return _KEYS[stat_key]
 
 
 def gguf_cache_folder(gguf_path: str | os.PathLike) -> Path:
@@ -369,6 +380,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         "source": os.path.realpath(gguf_path),
         "source_size": st.st_size,
         "source_mtime_ns": st.st_mtime_ns,
+        "source_key": _gguf_key(gguf_path),
         "dtype": "float32",
         "converted_at": time.time(),
     }
@@ -509,7 +521,7 @@ def load_model(
       - ``"gemma3-270m"``: Gemma 3 270M (base), assembled once from its chunk packages
         (:func:`gemma3_gguf_path`) and converted like any GGUF.
       - a local Hugging Face model folder (``config.json`` + weights + tokenizer files);
-      - a ``.gguf`` file, converted once to the kvpop cache (keyed by its path, size and mtime).
+      - a ``.gguf`` file, converted once to the kvpop cache (keyed by its content).
 
     ``adapter``: a kvpop adapter bundle folder (``kvpop.adapters.save_adapter_bundle``), or
     ``"default"`` for the bundle shipped with the embedded model, to put onto the loaded model:
