@@ -445,3 +445,26 @@ def test_compare_adapted_report_reads_records_from_before_the_continuation():
     c = new["all"]["24"]["base kvpop"]["continuation"]
     assert c["n_tokens"] == 20 and c["retention"] == pytest.approx(math.exp(-0.035))
     assert "| continuation | W-L" in table({"aggregate": new})
+
+
+@pytest.mark.parametrize("joint", [False, True])
+def test_adapt_on_a_hybrid_model(tmp_path, docs, joint):
+    """kvpop adapt on Gemma 3's sliding/full layout: the student is masked on the full-attention layers only
+    (one scorer per full layer), the bundle loads and serves a bounded cache whose sliding layers stay the
+    model's own."""
+    save_tiny_model(tmp_path / "base", "gemma3", seed=0)
+    base, _ = kvpop.load_model(tmp_path / "base", progress=False)
+    tcfg = TrainConfig(docs_from=str(docs), seq_len=64, budgets=(24,), window=8, sinks=2, observed=(None, 4, 1))
+    scorer = tmp_path / "scorer.safetensors"
+    save_scorer(build_run_scorer(tcfg, base), scorer, {"fingerprint": model_fingerprint(base),
+                                                       "trained_for": trained_for(tcfg)})  # fmt: skip
+    s = adapt(_cfg(tmp_path / "run", docs, scorer, model=str(tmp_path / "base"), steps=2, val_docs=1, joint=joint))
+    assert all(math.isfinite(h["kl"]) for h in s["history"]) and s["history"][-1]["val"]["24"]["retention"] > 0
+    model, _ = kvpop.load_model(tmp_path / "base", adapter=tmp_path / "run" / "adapter", progress=False)
+    assert (_logits(model, IDS) - _logits(base, IDS)).abs().max() > 0  # the adapter moved the model
+    assert model.kvpop_adapter.scorer.config.num_layers == 2  # layers 1 and 3 are the full-attention ones
+    cache = kvpop.make_cache(model, "kvpop", budget=24, sinks=2)
+    assert cache.policy.scorer is model.kvpop_adapter.scorer and cache.eviction.window == 8
+    out = model.generate(input_ids=IDS[:, :48], **kvpop.compat.cache_kwargs(cache), max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 52)
+    assert [tuple(layer.keys.shape[-2:]) for layer in cache.layers if hasattr(layer, "policy_layer")] == [(24, 16)] * 2
