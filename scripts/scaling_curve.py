@@ -138,7 +138,7 @@ def report(args) -> None:
             ax.axhline(ref[b][skey], color="gray", lw=0.8, ls=":")
         ax.set_xscale("log")
         ax.set_xlabel("distinct training tokens")
-        ax.set_ylabel(f"{task} retention (validation)")
+        ax.set_ylabel(f"{'lm' if task == 'retention' else task} retention (validation)")
         ax.set_title(f"{'lm' if task == 'retention' else 'continuation'} (dotted: StreamingLLM)")
     axes[0].legend(fontsize=7)
     fig.tight_layout()

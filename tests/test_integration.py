@@ -78,12 +78,13 @@ def test_shipped_scorers_and_adapter_fit_the_embedded_model_in_bfloat16(real):
 
 
 def test_shipped_scorers_default_to_their_trained_window(real):
-    """Trained at B = 512 and 1024 with window B/2: a cache at those budgets uses that window by default."""
+    """The mLSTM was trained at B = 512 and 1,024, the MLP over 128..2,048 (lam 5e-4), both with window B/2:
+    a cache at a budget inside their training uses that window and lam by default."""
     model, _ = real
-    for name in ("kvpop", "kvpop-mlp"):
-        for budget in (512, 1024):
+    for name, budgets, lam in (("kvpop", (512, 1024), 0.0), ("kvpop-mlp", (128, 384, 512, 2048), 5e-4)):
+        for budget in budgets:
             cache = kvpop.KVpopCache(model.config, budget=budget, policy=name)
-            assert cache.eviction.window == budget // 2 and cache.eviction.lam == 0.0
+            assert cache.eviction.window == budget // 2 and cache.eviction.lam == lam, (name, budget)
 
 
 def test_shipped_adapter_loads_onto_the_embedded_model_and_serves_kvpop(real):
