@@ -59,12 +59,13 @@ def _adapted_units(results: dict, row: str, name: str, docs: dict):
     return out
 
 
-def load(main: list[str], extras: list[str]):
+def load(main: list[str], extras: list[str], rename: dict[str, str] | None = None):
     units: dict = {}
     docs: dict = {}
     for path in main:
         r = json.loads(Path(path).read_text())
-        units.update(_eval_units(r))
+        names = {u["policy"] for u in r["units"]}
+        units.update(_eval_units(r, {p: (rename or {}).get(p, p) for p in names}))
         for u in r["units"]:
             if u.get("kind") == "doc":
                 docs[(u["source"], str(u["item"]))] = u["doc_sha1"]
@@ -156,11 +157,16 @@ def plot(rows: list[dict], path: Path) -> None:
 
     panels = [(t, d) for t in TASKS for d in ("in_domain", "out_of_domain")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    names = sorted({p for r in rows for p in r["retention"]})
+    colors = {p: plt.cm.tab20(i % 20) for i, p in enumerate(names)}
     for ax, (task, dom) in zip(axes, panels, strict=True):
         rs = sorted((r for r in rows if r["task"] == task and r["domain"] == dom), key=lambda r: r["budget"])
-        for p in dict.fromkeys(p for r in rs for p in r["retention"]):
+        for p in names:
             pts = [(r["budget"], r["retention"][p]) for r in rs if p in r["retention"]]
-            ax.plot(*zip(*pts, strict=True), marker="o", lw=2 if p.startswith("kvpop") else 1, label=p)
+            if pts:
+                learned = p not in HEURISTICS + ("oracle",)
+                ax.plot(*zip(*pts, strict=True), marker="o", lw=2.2 if learned else 1, ls="-" if learned else "--",
+                        color=colors[p], label=p)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{task}, {dom.replace('_', ' ')}")
         ax.set_xlabel("budget B (tokens per KV head)")
@@ -174,10 +180,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="kvpop eval results.json")
     p.add_argument("--extra", action="append", default=[], help="NAME=RESULTS.json:POLICY_OR_ROW")
+    p.add_argument("--rename", action="append", default=[], help="OLD=NEW: a policy of the main results, renamed")
     p.add_argument("--learned", default=None, help="comma-separated policies to judge (default: kvpop* and extras)")
     p.add_argument("--json", required=True)
     args = p.parse_args(argv)
-    units = load(args.results, args.extra)
+    units = load(args.results, args.extra, dict(r.split("=", 1) for r in args.rename))
     names = sorted({k[0] for k in units})
     learned = args.learned.split(",") if args.learned else [n for n in names if n.startswith("kvpop")]
     rows = verdict(units, learned)
