@@ -291,11 +291,7 @@ def _gguf_key(path: Path) -> str:
     st = path.stat()
     stat_key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     if stat_key not in _KEYS:
-        h = hashlib.sha256(f"kvpop-gguf-v{_FORMAT_VERSION}\0".encode())
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        _KEYS[stat_key] = h.hexdigest()[:12]
+        _KEYS[stat_key] = hashlib.sha256(f"kvpop-gguf-v{_FORMAT_VERSION}\0{_sha256(path)}".encode()).hexdigest()[:12]
     return _KEYS[stat_key]
 
 
