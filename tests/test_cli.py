@@ -222,3 +222,22 @@ def test_generate_compare_checks_its_arguments_before_loading(tiny, capsys, monk
     assert "--compare and --policy exclude each other" in capsys.readouterr().err
     assert _generate(root, "--compare", ",") == 2
     assert "give at least one policy" in capsys.readouterr().err
+
+
+def test_bench_overhead_takes_a_scorer_for_its_kind(tiny, tmp_path, capsys):
+    """`kvpop bench overhead --scorer` times the learned policy of the checkpoint's kind with that
+    checkpoint (a model with no shipped scorer, like Gemma, can be benchmarked with its own), next to
+    the floor and dense; an unreadable checkpoint is one error before the model loads."""
+    import json
+
+    root, paths = tiny
+    out = tmp_path / "overhead"
+    argv = ["bench", "overhead", "--model", str(root / "model"), "--policies", "streaming,kvpop-mlp", "--compile", "",
+            "--budget", "16", "--context", "40", "--steps", "2", "--rounds", "2", "--out", str(out)]  # fmt: skip
+    assert main([*argv, "--scorer", str(paths["mlp"])]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [r["name"] for r in result["rows"]] == ["floor", "dense", "streaming", "kvpop-mlp"]
+    assert all(r["steps"] == 4 and r["step_ms"] > 0 for r in result["rows"])
+    assert result["options"]["scorer"] == str(paths["mlp"]) and out.with_suffix(".png").exists()
+    with pytest.raises(SystemExit, match="--scorer .*missing"):
+        main([*argv, "--scorer", str(tmp_path / "missing.safetensors")])

@@ -28,7 +28,7 @@ from transformers import DynamicCache, StaticCache
 
 from ..cache import make_cache
 from ..compat import cache_kwargs
-from ..options import load_model_quietly
+from ..options import load_model_quietly, policy_for_scorer
 from ..plotting import pyplot, save_figure
 from ..policies import POLICIES, get_policy, policy_names
 from .common import median, text_ids, write_json
@@ -69,8 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default=None)
+    p.add_argument("--scorer", default=None,
+                   help="a scorer checkpoint for the learned policy of its kind (e.g. one trained for --model)")
     p.add_argument("--out", default="results/bench_overhead")
     args = p.parse_args(argv)
+    try:  # a readable scorer checkpoint, before the model loads
+        scored = policy_for_scorer(args.scorer) if args.scorer is not None else None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--scorer {args.scorer}: {exc}") from None
     names = [n for n in (args.policies or ",".join(policy_names(dense=False, teacher_forced=False))).split(",") if n]
     unknown = [n for n in names if n not in POLICIES]
     if args.compile == "all":
@@ -105,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in names + [f"{n}+compile" for n in compiled]:
         base = name.removesuffix("+compile")
         try:
-            cache = make_cache(model, base, budget=args.budget, compile=name.endswith("+compile"))
+            extra = {"path": args.scorer} if base == scored else {}
+            cache = make_cache(model, base, budget=args.budget, compile=name.endswith("+compile"), **extra)
         except (FileNotFoundError, ValueError) as exc:  # e.g. no shipped scorer of that kind, or not for this model
             print(f"skip {name}: {exc}")
             continue
