@@ -4,6 +4,7 @@ multi-key cases, --docs-from, unavailable policies (tiny random models)."""
 import json
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -391,3 +392,32 @@ def test_a_learned_policy_is_resolved_once_per_run(model, tmp_path, monkeypatch)
     units = [r for r in res["records"] if r["policy"] == "kvpop-mlp"]
     assert len(units) == 4  # 2 tasks x 2 budgets, each over 3 documents: 12 caches
     assert len(reads) == 2  # the check before any work (check_policies), then once for the whole grid
+
+
+def test_merge_takes_a_scorer_run_beside_a_heuristics_run(tmp_path):
+    """One folder ran the heuristics, another only a learned policy with its own --scorer, otherwise
+    the same settings: they merge, and the merged fingerprint names that scorer. Two folders that ran
+    the same policy with different scorers, or with other settings, do not."""
+    from kvpop.evaluate.store import RecordStore, load_dirs
+
+    base = {"reference_length": 64, "sinks": 4}
+
+    def folder(name: str, policies: tuple[str, ...], kwargs: dict, **over) -> Path:
+        store = RecordStore(tmp_path / name, {**base, **over, "policy_kwargs": kwargs})
+        for p in policies:
+            store.append({"key": f"doc/a/0|{p}|16", "policy": p, "budget": 16})
+        return tmp_path / name
+
+    heur = folder("heur", ("dense", "streaming"), {})
+    mlp = folder("mlp", ("kvpop-mlp",), {"kvpop-mlp": {"path": "a.safetensors"}})
+    fp, units, _ = load_dirs([heur, mlp])
+    assert fp == {**base, "policy_kwargs": {"kvpop-mlp": {"path": "a.safetensors"}}}
+    assert sorted(u["policy"] for u in units) == ["dense", "kvpop-mlp", "streaming"]
+    other = folder("other", ("kvpop-mlp",), {"kvpop-mlp": {"path": "b.safetensors"}})
+    with pytest.raises(StoreMismatch, match="kvpop-mlp.*b.safetensors"):
+        load_dirs([heur, mlp, other])
+    shipped = folder("shipped", ("kvpop-mlp",), {})  # the shipped scorer: no path
+    with pytest.raises(StoreMismatch, match="kvpop-mlp"):
+        load_dirs([mlp, shipped])
+    with pytest.raises(StoreMismatch, match="sinks"):
+        load_dirs([heur, folder("sinks", ("knorm",), {}, sinks=8)])

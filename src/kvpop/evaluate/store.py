@@ -119,8 +119,13 @@ class RecordStore:
 
 def load_dirs(dirs) -> tuple[dict, list[dict], list[dict]]:
     """(fingerprint, unit records, sessions) of several output folders, which must agree on the
-    fingerprint; a unit present in several is kept once (the first folder's)."""
+    fingerprint; a unit present in several is kept once (the first folder's).
+
+    ``policy_kwargs`` (e.g. a ``--scorer`` path) must agree only for the policies that two folders
+    both ran: one folder's heuristics and another's learned scorer, evaluated with otherwise equal
+    settings, merge; the merged fingerprint names the kwargs of every policy some folder ran."""
     fingerprint = None
+    kwargs: dict[str, dict] = {}  # policy -> its kwargs, over the folders that ran it
     records: dict[str, dict] = {}
     sessions: list[dict] = []
     for d in dirs:
@@ -129,14 +134,22 @@ def load_dirs(dirs) -> tuple[dict, list[dict], list[dict]]:
         if not run.exists():
             raise FileNotFoundError(f"{d} is not a kvpop eval output folder (no {RUN_FILE})")
         fp = json.loads(run.read_text()).get("fingerprint", {})
+        rest = {k: v for k, v in fp.items() if k != "policy_kwargs"}
         if fingerprint is None:
-            fingerprint = fp
-        elif fp != fingerprint:
-            raise StoreMismatch(f"cannot merge {d}: made with other settings ({_diff(fp, fingerprint)})")
-        for f in sorted((d / RECORDS_DIR).glob("*.jsonl")):
-            for r in _read_jsonl(f)[0]:
-                records.setdefault(r["key"], r)
+            fingerprint = rest
+        elif rest != fingerprint:
+            raise StoreMismatch(f"cannot merge {d}: made with other settings ({_diff(rest, fingerprint)})")
+        recs = [r for f in sorted((d / RECORDS_DIR).glob("*.jsonl")) for r in _read_jsonl(f)[0]]
+        for policy in sorted({r.get("policy") for r in recs} - {None}):
+            kw = fp.get("policy_kwargs", {}).get(policy, {})
+            if kwargs.setdefault(policy, kw) != kw:
+                raise StoreMismatch(f"cannot merge {d}: made with other settings (policy {policy!r} with "
+                                    f"{kw!r} here vs {kwargs[policy]!r} there)")  # fmt: skip
+        for r in recs:
+            records.setdefault(r["key"], r)
         sf = d / SESSIONS_FILE
         if sf.exists():
             sessions += _read_jsonl(sf)[0]
+    if fingerprint is not None:
+        fingerprint["policy_kwargs"] = {p: kw for p, kw in sorted(kwargs.items()) if kw}
     return fingerprint or {}, list(records.values()), sessions
