@@ -218,6 +218,38 @@ def test_kill_and_rerun_skips_done_units(model, reference, tmp_path, monkeypatch
     assert part["sessions"][-1]["units_remaining"] == len(reference["units"]) - 5 and "rerun" in part["notes"][-1]
 
 
+def test_a_run_stopped_mid_item_resumes_without_its_shared_runs(model, tmp_path, monkeypatch):
+    """The dense, window-only and oracle runs of an unfinished item are kept in out/shared and read
+    back by the next process (at 32k tokens they are most of an item's time); they go once it is done."""
+    from kvpop.evaluate import grid
+
+    cfg = _cfg(tasks=("lm", "continuation"), policies=("dense", "streaming", "oracle"))
+    docs = {"a": [_ids(64, 1)]}
+
+    def run(out, **kw):
+        return run_eval(model, tiny_tokenizer(), cfg, documents=docs, out=out, progress=False, plots=False, **kw)
+
+    whole = run(None)
+    out = tmp_path / "run"
+    part = run(out, max_units=5)  # dense and streaming at both budgets, the oracle at one
+    assert part["sessions"][-1]["units_remaining"] == 1
+    (kept,) = (out / "shared").iterdir()
+    names = sorted(f.name for f in kept.iterdir())
+    assert names[0] == "dense_hidden.safetensors" and sum(n.startswith("window_nll-") for n in names) == 2
+    assert sum(n.startswith("oracle-") for n in names) == 1 and not any(n.endswith(".tmp") for n in names)
+    calls = []
+    for name in ("window_only_hidden", "oracle_targets_multi"):
+        real = getattr(grid, name)
+        monkeypatch.setattr(grid, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    real_hidden = grid.hidden_states
+    monkeypatch.setattr(grid, "hidden_states", lambda m, ids, cache: calls.append(f"hidden {cache is None}")
+                        or real_hidden(m, ids, cache))  # fmt: skip
+    res = run(out)
+    assert calls == ["hidden False"]  # the one unit left ran only its own policy pass
+    assert res["sessions"][-1]["units_run"] == 1 and _strip(res["units"]) == _strip(whole["units"])
+    assert not any((out / "shared").iterdir())  # the finished item's shared runs are gone
+
+
 def test_shards_cover_the_grid_and_merge(model, reference, tmp_path):
     same = tmp_path / "same"
     plan = _run(model, _cfg(), same, shard="1/3", dry_run=True)

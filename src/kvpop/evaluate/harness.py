@@ -39,7 +39,7 @@ from ..config import EvictionConfig, budget_of_compression
 from ..data import list_corpora, load_documents, long_documents, read_user_documents
 from ..policies import KIND_TO_POLICY
 from .core import ALL_POLICIES, DENSE, ORACLE, PolicyUnavailable, build_cache, policy_available
-from .grid import Item, ItemContext, Settings, item_cost, partition, resolve_window, units_of
+from .grid import SHARED_DIR, Item, ItemContext, Settings, SharedStore, item_cost, partition, resolve_window, units_of
 from .plots import plot_results
 from .report import markdown_report, text_table
 from .stats import aggregate
@@ -421,6 +421,9 @@ def run_eval(
         where = "" if shard is None else f" (shard {shard[0]}/{shard[1]})"
         print(f"[kvpop eval] {len(plan)} items, {n_done + len(todo)} units{where}: {n_done} done before, "
               f"{len(todo)} to run", flush=True)  # fmt: skip
+    left: dict[str, int] = {}  # units of each item still to run
+    for it, _, _ in todo:
+        left[it.id] = left.get(it.id, 0) + 1
     ran, stopped, interrupted = 0, None, True
     ctx = None
     bar = tqdm(todo, desc="kvpop eval", disable=not progress, dynamic_ncols=True)
@@ -432,22 +435,23 @@ def run_eval(
             if time_limit_s is not None and time.perf_counter() - t_start > time_limit_s:
                 stopped = f"stopped after {time.perf_counter() - t_start:.0f}s (time limit), {ran} units run"
                 break
-            if p in skipped:
-                continue
-            if ctx is None or ctx.item is not it:
-                ctx = None  # free the previous item's tensors first
-                ctx = ItemContext(model, tokenizer, it, settings)
-            bar.set_postfix_str(f"{it.id} {p} B={b if b is not None else '-'}")
-            try:
-                rec = ctx.run(p, b)
-            except PolicyUnavailable as exc:
-                if not cfg.skip_unavailable:
-                    raise
-                skipped.setdefault(p, str(exc))
-                policies = [q for q in policies if q != p]
-                continue
-            store.append(rec)
-            ran += 1
+            left[it.id] -= 1
+            if p not in skipped:
+                if ctx is None or ctx.item is not it:
+                    ctx = None  # free the previous item's tensors first
+                    shared = None if out is None else SharedStore(Path(out) / SHARED_DIR, it)
+                    ctx = ItemContext(model, tokenizer, it, settings, shared)
+                bar.set_postfix_str(f"{it.id} {p} B={b if b is not None else '-'}")
+                try:
+                    store.append(ctx.run(p, b))
+                    ran += 1
+                except PolicyUnavailable as exc:
+                    if not cfg.skip_unavailable:
+                        raise
+                    skipped.setdefault(p, str(exc))
+                    policies = [q for q in policies if q != p]
+            if left[it.id] == 0 and ctx is not None and ctx.item is it and ctx.shared is not None:
+                ctx.shared.drop()  # the item is done: its shared runs are not needed again
         interrupted = False
     finally:
         bar.close()
