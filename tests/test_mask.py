@@ -1,8 +1,10 @@
 """Training-time eviction mask: leave steps against the plain rule, masked attention against the physical cache."""
 
+import json
 import math
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -300,7 +302,11 @@ def test_real_model_masked_equals_cache():
         model, tok = kvpop.load_model(progress=False)
     except kvpop.ModelLoadError as exc:
         pytest.fail(f"embedded model unavailable: {exc}")
-    ids = tok("It was the best of times, it was the worst of times. " * 40, return_tensors="pt").input_ids[:, :384]
+    # text that does not repeat: a phrase repeated 40 times makes many keys near-identical, and the learned
+    # ranking's near-ties then break differently under the two paths' float rounding on some CPUs
+    text = Path(json.__file__).read_text(encoding="utf-8")  # the stdlib's json docs and code
+    ids = tok(text, return_tensors="pt").input_ids[:, :384]
+    assert ids.shape[1] == 384
     sinks, window, budget = 4, 32, 128
     from kvpop.checkpoint import default_scorer_path, load_scorer
 
