@@ -155,8 +155,10 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(t, d) for t in TASKS for d in ("in_domain", "out_of_domain")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    panels = [(t, d) for t in TASKS for d in ("in_domain", "out_of_domain")
+              if any(r["task"] == t and r["domain"] == d for r in rows)]  # only what was run (e.g. one 32k document)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    axes = axes[0]
     names = sorted({p for r in rows for p in r["retention"]})
     colors = {p: plt.cm.tab20(i % 20) for i, p in enumerate(names)}
     for ax, (task, dom) in zip(axes, panels, strict=True):
