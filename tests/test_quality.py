@@ -88,6 +88,16 @@ def test_probe_pools_documents_and_computes_each_reference_once(model):
     assert dense_run.lm(start=32).n == t.lm().n
 
 
+def test_probe_shows_a_progress_bar_only_when_labelled(model, capsys):
+    """Validation passes run for many minutes: a labelled score shows a bar over the documents."""
+    probe = Probe([("a", IDS[:60]), ("b", IDS[60:120])], lambda ids: hidden_states(model, ids))
+    probe.score(model, "streaming", 32, sinks=2)
+    assert "validation B=32" not in capsys.readouterr().err
+    probe.score(model, "streaming", 32, sinks=2, progress="validation B=32")
+    err = capsys.readouterr().err
+    assert "validation B=32" in err and "0/2" in err  # the bar knows how many documents
+
+
 def test_wins_count_paired_documents_with_a_tolerance():
     assert wins([0.9, 0.8, 0.7], [0.8, 0.8 + 1e-12, 0.75]) == {"wins": 1, "losses": 1, "ties": 1, "n": 3}
     assert compare(1.0, None) is None and compare(float("nan"), 1.0) is None

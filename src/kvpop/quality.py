@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from .cache import make_cache
 from .compat import cache_kwargs
@@ -373,13 +374,15 @@ class Probe:
         return self._ref[i]
 
     @torch.no_grad()
-    def score(self, model, policy, budget: int, **cache_kwargs) -> Scores:
+    def score(self, model, policy, budget: int, *, progress: str | None = None, **cache_kwargs) -> Scores:
         """Every document through ``model`` under ``policy`` (a name or a :class:`kvpop.Policy`; ``None``:
         dense, scored from position 0 with ``budget=0``) at ``budget`` slots per KV head
         (``cache_kwargs``: ``window``, ``sinks``, ``lam`` for :func:`kvpop.make_cache`), scored by
-        ``model``'s LM head against the reference."""
+        ``model``'s LM head against the reference. ``progress``: the label of a progress bar over the
+        documents (a validation pass can take half an hour on a CPU), none if ``None``."""
         out = []
-        for i, (_, ids) in enumerate(self.docs):
+        docs = tqdm(self.docs, desc=progress, leave=False, disable=progress is None)
+        for i, (_, ids) in enumerate(docs):
             cache = None if policy is None else make_cache(model, policy, budget=budget, **cache_kwargs)
             hidden = hidden_states(model, ids, cache)
             out.append(score_document(model, ids, self.reference_hidden(i), hidden, budget,

@@ -67,11 +67,12 @@ class AdaptProbe:
         out: dict = {}
         for b in budgets:
             ev = cfg.eviction(b)
-            s = self.probe.score(m, policy, b, window=ev.window, sinks=ev.sinks, lam=ev.lam)
+            label = f"validation B={b}" if cfg.progress else None
+            s = self.probe.score(m, policy, b, window=ev.window, sinks=ev.sinks, lam=ev.lam, progress=label)
             per_doc = [{"corpus": c, "retention": r} for c, r in zip(s.labels, s.per_doc(), strict=True)]
             out[str(b)] = {**_metrics(s.lm()), "per_doc": per_doc}
         if dense:
-            d: Scores = self.probe.score(m, None, 0)  # the adapted model itself, against the base model
+            d: Scores = self.probe.score(m, None, 0, progress="validation dense" if cfg.progress else None)  # vs base
             for b in budgets:
                 out[str(b)]["dense_retention"] = d.lm(start=b).retention
             out["dense"] = _metrics(d.lm())

@@ -87,7 +87,9 @@ class RetentionProbe:
 
     def _run(self, policy, budget: int) -> dict:
         cfg = self.cfg
-        s = self.probe.score(self.model, policy, budget, window=cfg.window_for(budget), sinks=cfg.sinks, lam=cfg.lam)
+        label = f"validation {'StreamingLLM' if policy == 'streaming' else 'scorer'} B={budget}" if cfg.progress else None
+        s = self.probe.score(self.model, policy, budget, window=cfg.window_for(budget), sinks=cfg.sinks, lam=cfg.lam,
+                             progress=label)  # fmt: skip
         m = s.lm().metrics()
         per_doc = [{"corpus": corpus, "retention": lm, "continuation": cont}
                    for corpus, lm, cont in zip(s.labels, s.per_doc("lm"), s.per_doc("continuation"), strict=True)]
