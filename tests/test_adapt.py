@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import kvpop
 from kvpop.adapt import AdaptConfig, adapt, compare_adapted, main
-from kvpop.adapt.loop import prepare_model, student_step, teacher_topk, topk_kl
+from kvpop.adapt.loop import enable_checkpointing, prepare_model, student_step, teacher_topk, topk_kl
 from kvpop.adapters import AdapterMismatchError, load_adapter_bundle, read_bundle_meta, teacher_mode
 from kvpop.checkpoint import load_scorer, model_fingerprint, save_scorer
 from kvpop.mask import learned_priority_fn
@@ -141,7 +141,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(scorer_path):
                 if "lora_B" in n:
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.05)
         if gc:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)
         with teacher_mode(model):
             t = teacher_topk(model, IDS, cfg.top_k, 16)
         student_step(model, IDS, *t, priority_fn=fn, ev=ev, cfg=cfg, budget=24)

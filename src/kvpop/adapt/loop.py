@@ -290,6 +290,17 @@ def save_bundle(model, scorer, path: Path, cfg: AdaptConfig, step: int, tokenize
 # --------------------------------------------------------------------------------------------
 
 
+
+def enable_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant), through the name
+    transformers 5.x keeps (``activation_checkpointing_enable``; the older name warns that it goes in v6)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class Adaptation:
     """The program :class:`kvpop.runs.Run` drives: one step of the top-k KL into the trainable weights
     (and, ``joint``, the boundary loss into the scorer), validation against the base model's dense
@@ -310,7 +321,7 @@ class Adaptation:
             self.s_opt = torch.optim.AdamW(scorer.parameters(), lr=cfg.scorer_lr, weight_decay=cfg.weight_decay)
             self.s_sched = cosine_schedule(self.s_opt, cfg.steps)
         if cfg.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(self.model)
         self.probe, self.baseline = None, None
         if run.rank == 0 and cfg.val_docs:
             self.probe = AdaptProbe(self.model, tokenizer, cfg, frozen=self.frozen)
