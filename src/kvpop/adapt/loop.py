@@ -290,7 +290,6 @@ def save_bundle(model, scorer, path: Path, cfg: AdaptConfig, step: int, tokenize
 # --------------------------------------------------------------------------------------------
 
 
-
 def enable_checkpointing(model) -> None:
     """Recompute each decoder layer's activations in backward (non-reentrant), through the name
     transformers 5.x keeps (``activation_checkpointing_enable``; the older name warns that it goes in v6)."""
