@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 import kvpop
 from kvpop.adapt import AdaptConfig, adapt, compare_adapted, main
-from kvpop.adapt.loop import enable_checkpointing, prepare_model, student_step, teacher_topk, topk_kl
+from kvpop.adapt.loop import prepare_model, student_step, teacher_topk, topk_kl
 from kvpop.adapters import AdapterMismatchError, load_adapter_bundle, read_bundle_meta, teacher_mode
 from kvpop.checkpoint import load_scorer, model_fingerprint, save_scorer
+from kvpop.compat import enable_checkpointing
 from kvpop.mask import learned_priority_fn
 from kvpop.policies import LearnedPolicy
 from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer

@@ -5,7 +5,9 @@ transformers renamed the keyword that passes a ``Cache`` to a model's ``forward`
 ``generate`` from ``past_key_values`` to ``cache``. An older version silently ignores ``cache=``
 (the model then builds its own dense cache, and a ``KVpopCache`` is never used), and a newer one
 warns on ``past_key_values=``; :func:`cache_kwargs` passes it under the name the installed version
-takes.
+takes. Activation checkpointing likewise: :func:`enable_checkpointing` calls
+``activation_checkpointing_enable`` where it exists (the old ``gradient_checkpointing_enable`` warns
+there that it goes in v6) and the old name on 5.19, which has only that one.
 """
 
 from __future__ import annotations
@@ -25,3 +27,13 @@ def cache_arg() -> str:
 def cache_kwargs(cache) -> dict:
     """``model(ids, **cache_kwargs(cache))`` / ``model.generate(..., **cache_kwargs(cache))``."""
     return {cache_arg(): cache}
+
+
+def enable_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant), under the name the
+    installed transformers takes (a peft model passes the call on to its base model)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from .. import models
 from ..adapters import SCORER_FILE, add_lora, base_model, lora_config, save_adapter_bundle
 from ..checkpoint import load_scorer, model_fingerprint, save_scorer
+from ..compat import enable_checkpointing
 from ..files import atomic_dir, atomic_write
 from ..mask import learned_priority_fn, masked_eviction
 from ..runs import Run, cosine_schedule
@@ -288,16 +289,6 @@ def save_bundle(model, scorer, path: Path, cfg: AdaptConfig, step: int, tokenize
 # --------------------------------------------------------------------------------------------
 # the loop
 # --------------------------------------------------------------------------------------------
-
-
-def enable_checkpointing(model) -> None:
-    """Recompute each decoder layer's activations in backward (non-reentrant), through the name
-    transformers 5.x keeps (``activation_checkpointing_enable``; the older name warns that it goes in v6)."""
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 class Adaptation:
