@@ -28,7 +28,6 @@ from kvpop.scorers import ScorerConfig, build_scorer
 from kvpop.testing import save_tiny_model, tiny_model
 
 warnings.filterwarnings("ignore", category=FutureWarning)
-pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 IDS = torch.randperm(128, generator=torch.Generator().manual_seed(0))[:40].view(1, 40)
 
@@ -106,6 +105,16 @@ def test_bundle_round_trip(tmp_path):
     p2 = save_adapter_bundle(model, None, tmp_path / "no_scorer")
     assert not (p2 / SCORER_FILE).exists()
     assert load_adapter_bundle(tiny_model("llama"), p2).scorer is None
+
+
+def test_wrapping_and_loading_print_no_peft_deprecation_warning(tmp_path):
+    """peft reads ``is_gradient_checkpointing`` when it wraps a model; newer transformers warns on it.
+    Adding a LoRA and loading a bundle (what ``kvpop generate`` does by default) must stay quiet."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = save_adapter_bundle(_adapted(), _scorer(), tmp_path / "bundle")
+        load_adapter_bundle(tiny_model("llama"), path, merge=True)
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
 
 
 def test_wrong_base_model_refused(tmp_path):

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .checkpoint import fingerprint_diff, load_scorer, model_fingerprint, read_tensors, save_scorer
+from .compat import quiet_peft_wrap
 from .files import atomic_dir
 
 __all__ = [
@@ -112,7 +113,8 @@ def add_lora(model, config=None):
     """
     if _is_peft(model):
         raise TypeError("model already carries a peft adapter")
-    return _peft().get_peft_model(model, config if config is not None else lora_config())
+    with quiet_peft_wrap():
+        return _peft().get_peft_model(model, config if config is not None else lora_config())
 
 
 @contextlib.contextmanager
@@ -243,7 +245,8 @@ def load_adapter_bundle(
         details = ", ".join(f"{k}: trained {a!r} vs this model {b!r}" for k, (a, b) in diff.items())
         raise AdapterMismatchError(f"adapter bundle {path} was trained on a different base model ({details})")
     was_training = model.training
-    peft_model = _peft().PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
+    with quiet_peft_wrap():
+        peft_model = _peft().PeftModel.from_pretrained(model, str(path), is_trainable=trainable)
     if not trainable and not was_training:
         peft_model.eval()
     out = peft_model.merge_and_unload() if merge else peft_model
