@@ -4,10 +4,17 @@
         --report results/adapt/results.json
 
 Copies DIR/<which>/ (``best``: the bundle with the best validation retention; ``adapter``: the
-last checkpoint) to src/kvpop/assets/adapters/smollm2-135m-instruct-kvpop/ (replacing the old one
-only after the copy is complete) and writes summary.json beside the bundle's files: the
-training command, its wall time, tokens seen, the validation history and, with --report, the
-test-split comparison from ``kvpop compare-adapted``.
+last checkpoint), or ``--bundle PATH`` (a snapshot of an intermediate checkpoint of DIR's run), to
+src/kvpop/assets/adapters/smollm2-135m-instruct-kvpop/ (replacing the old one only after the copy
+is complete) and writes summary.json beside the bundle's files: the training command, its wall
+time up to the shipped step, tokens seen, the validation history (with ``--validation``, the
+JSON of scripts/validate_bundle.py for the shipped bundle and the one it replaces) and, with
+--report, the test-split comparison from ``kvpop compare-adapted``. A run still in progress has
+no summary.json yet; its train_state.pt supplies the same fields.
+
+    python scripts/ship_adapter.py runs/adapt/mlp-4096 --bundle runs/adapt/mlp-4096-step32 \
+        --validation runs/validate/mlp-4096-step32.json runs/validate/shipped.json \
+        --report runs/compare-step32/results.json --command "..."
 """
 
 import argparse
@@ -26,27 +33,32 @@ def main() -> None:
     p.add_argument("run", help="a kvpop adapt output folder")
     p.add_argument("--which", choices=("best", "adapter"), default="best")
     p.add_argument("--command", required=True, help="the command that trained it")
+    p.add_argument("--bundle", default=None, help="ship this bundle folder (a checkpoint of RUN) instead of RUN/<which>")
+    p.add_argument("--validation", nargs="*", default=[], help="validate_bundle.py JSON files to record")
     p.add_argument("--report", default=None, help="results.json of kvpop compare-adapted on the test splits")
     args = p.parse_args()
     run = Path(args.run)
-    src = run / args.which
-    summary = json.loads((run / "summary.json").read_text())
+    src = Path(args.bundle) if args.bundle else run / args.which
+    summary = _summary(run)
     missing = [f for f in BUNDLE_FILES if not (src / f).is_file()]
     if missing:
         raise SystemExit(f"{src} lacks {', '.join(missing)} (a kvpop adapt --mask kvpop bundle has all four)")
     meta = json.loads((src / "kvpop_adapter.json").read_text())
+    step = (meta.get("meta") or {}).get("steps")
     shipped = {
         "command": args.command,
-        "train_seconds": summary.get("seconds_this_process"),
-        "tokens_seen": summary.get("tokens_seen"),
+        "train_seconds": summary.get("seconds_this_process") if not args.bundle else _seconds_to(summary, step),
+        "tokens_seen": (meta.get("meta") or {}).get("tokens_seen", summary.get("tokens_seen")),
         "peak_rss_mib": summary.get("peak_rss_mib"),
         "best": summary.get("best"),
-        "shipped_step": (meta.get("meta") or {}).get("step"),
-        "trained_for": summary.get("trained_for"),
+        "shipped_step": step,
+        "trained_for": summary.get("trained_for") or (meta.get("meta") or {}).get("trained_for"),
         "baseline": summary.get("baseline"),
         "validation": [h["val"] for h in summary.get("history", []) if "val" in h],
         "config": summary.get("config"),
     }
+    if args.validation:
+        shipped["bundle_validation"] = [json.loads(Path(f).read_text()) for f in args.validation]
     if args.report:
         rep = json.loads(Path(args.report).read_text())
         shipped["test_report"] = {"settings": rep["settings"], "aggregate": rep["aggregate"]}
@@ -59,6 +71,23 @@ def main() -> None:
         shutil.rmtree(DEFAULT_ADAPTER)
     os.replace(tmp, DEFAULT_ADAPTER)
     print(f"shipped {src} -> {DEFAULT_ADAPTER}")
+
+
+def _summary(run: Path) -> dict:
+    """RUN/summary.json, or (a run still in progress) the same fields from RUN/train_state.pt."""
+    if (run / "summary.json").is_file():
+        return json.loads((run / "summary.json").read_text())
+    import torch
+
+    state = torch.load(run / "train_state.pt", map_location="cpu", weights_only=False)
+    return {"history": state.get("history", []), "baseline": state.get("baseline"), "best": state.get("best"),
+            "config": state.get("config"), "tokens_seen": None, "seconds_this_process": None}
+
+
+def _seconds_to(summary: dict, step: int | None) -> float | None:
+    """Training seconds up to ``step`` (the sum of the per-step times in the history)."""
+    steps = [h for h in summary.get("history", []) if "seconds" in h and (step is None or h["step"] <= step)]
+    return round(sum(h["seconds"] for h in steps), 1) if steps else None
 
 
 if __name__ == "__main__":

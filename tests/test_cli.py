@@ -168,8 +168,13 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
     for cache in (kvpop.KVpopCache(model.config, budget=16, policy="kvpop-mlp"),
                   kvpop.make_cache(model, "kvpop-mlp", budget=16)):  # fmt: skip
         assert "adapter bundle" in cache.policy.source and cache.policy.scorer.config.kind == "mlp"
+    # no policy named: the bundle's (the default follows the bundle, whichever kind its scorer is)
+    for cache in (kvpop.KVpopCache(model.config, budget=16), kvpop.make_cache(model, budget=16)):
+        assert "adapter bundle" in cache.policy.source and cache.policy.scorer.config.kind == "mlp"
+    assert kvpop.default_policy(model) == "kvpop-mlp" == kvpop.default_policy(config=model.config)
+    # the other learned policy by name stays an error that names the one serving the bundle
     with pytest.raises(ValueError, match="whose scorer is a mlp"):
-        kvpop.KVpopCache(model.config, budget=16)
+        kvpop.KVpopCache(model.config, budget=16, policy="kvpop")
     assert _generate(root, "--adapter", str(tmp_path / "bundle"), "--base-model") == 2
     assert "--adapter and --base-model exclude each other" in capsys.readouterr().err
 

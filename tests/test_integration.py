@@ -109,31 +109,41 @@ def test_shipped_adapter_loads_onto_the_embedded_model_and_serves_kvpop(real):
 def test_one_resolver_for_base_and_adapted_model_config_and_model(real):
     """Issue #23: every path that builds a cache gets the same split at every budget — the base model and
     the adapted bundle, through ``KVpopCache(model.config)`` and ``make_cache(model)`` — the trained window
-    fraction of B (the bundle path used to fall back to B // 8 at budgets it was not trained at exactly),
-    and the config and model paths of one model take the same decisions."""
+    fraction of B (the bundle path used to fall back to B // 8 at budgets it was not trained at exactly)
+    and the scorer's own trained lam, and the config and model paths of one model take the same decisions.
+    With no policy named, each model gets its default: the shipped mLSTM on the base model, the bundle's
+    scorer on the adapted one."""
     from kvpop.config import ScorerSettingsWarning
 
     base, tok = real
     adapted, _ = kvpop.load_model(adapter="default", merge=True, progress=False)
     ids = tok("The quick brown fox jumps over the lazy dog. " * 80, return_tensors="pt").input_ids[:, :700]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ScorerSettingsWarning)  # the shipped scorers' range is 512..1024
+        warnings.simplefilter("ignore", ScorerSettingsWarning)  # the mLSTM's range is 512..1024
         for budget in (256, 384, 512, 768, 2048):
-            splits = set()
             for model, bundle in ((base, False), (adapted, True)):
                 by_config = kvpop.KVpopCache(model.config, budget=budget)
-                by_model = kvpop.make_cache(model, "kvpop", budget=budget)
+                by_model = kvpop.make_cache(model, budget=budget)
+                splits = set()
                 for cache in (by_config, by_model):
                     assert ("adapter bundle" in cache.policy.source) == bundle
+                    if bundle:  # the bundle's scorer (the config path reads it from the bundle's folder)
+                        want = adapted.kvpop_adapter.scorer.state_dict()
+                        got = cache.policy.scorer.state_dict()
+                        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
                     e = cache.eviction
                     splits.add((e.sinks, e.window, e.k, e.lam))
+                lam = cache.policy.trained.lam  # the scorer's own (mLSTM 0, the shipped MLP 5e-4)
+                assert len(splits) == 1, (budget, bundle, splits)
+                sinks, window, k, got_lam = splits.pop()
+                assert (sinks, window, k) == (4, budget // 2, budget - 4 - budget // 2), (budget, bundle)
+                assert got_lam == lam, (budget, bundle, got_lam, lam)
                 if budget <= 384:  # the same decisions through the config and the model
                     with torch.no_grad():
                         model(ids, past_key_values=by_config)
                         model(ids, past_key_values=by_model)
                     for a, b in zip(by_config.layers, by_model.layers, strict=True):
                         assert torch.equal(a.held_indices(), b.held_indices())
-            assert splits == {(4, budget // 2, budget - 4 - budget // 2, 0.0)}, (budget, splits)
 
 
 def test_generate_cli_resolves_the_bundle_window_at_any_budget(capsys):

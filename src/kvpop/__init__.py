@@ -3,7 +3,7 @@
 from .attention import detach, routed
 from .cache import KVpopCache, KVpopLayer, make_cache
 from .config import EvictionConfig
-from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy, get_policy, policy_names, register_policy
+from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy, default_policy, get_policy, policy_names, register_policy
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,7 @@ __all__ = [
     "Policy",
     "TeacherLabels",
     "collect",
+    "default_policy",
     "detach",
     "future_attention",
     "generate",

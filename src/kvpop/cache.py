@@ -31,7 +31,7 @@ from .config import (
     resolve_eviction,
     settings_note,
 )
-from .policies import DEFAULT_POLICY, DENSE, LEARNED_POLICIES, Policy, get_policy, map_state
+from .policies import DENSE, LEARNED_POLICIES, Policy, default_policy, get_policy, map_state
 from .state import LayerState
 from .step import StepSpec, check_scores, decode_exits, decode_tail, prefill_chunk
 
@@ -408,16 +408,20 @@ class KVpopCache(Cache):
     cache (or none) that routing is a no-op, bit for bit.
     """
 
-    def __init__(self, config, budget: int | None = None, *, policy: str | Policy = DEFAULT_POLICY,
+    def __init__(self, config, budget: int | None = None, *, policy: str | Policy | None = None,
                  eviction: EvictionConfig | None = None, compile: bool | None = None, **kwargs):  # fmt: skip
         """``budget`` and the other keywords of :class:`kvpop.config.BudgetArgs` (``k``, ``compression``,
         ``reference_length``, ``window``, ``sinks``, ``lam``, ``prefill_chunk``), or ``eviction=``; any
-        other keyword goes to the policy factory (e.g. ``path=`` a scorer checkpoint, ``seed=``)."""
+        other keyword goes to the policy factory (e.g. ``path=`` a scorer checkpoint, ``seed=``).
+        ``policy`` None: :func:`kvpop.policies.default_policy` (``"kvpop"``; on a model loaded with an
+        adapter bundle, the policy its scorer serves)."""
         check_attention(config)
         if compile is not None and not isinstance(compile, bool):
             raise TypeError(f"compile must be True, False or None (the default), got {compile!r}")
         # each argument's type and range, before a scorer loads (integral numbers such as numpy.int64 become int)
         args = BudgetArgs.pop_from(kwargs, budget).checked()
+        if policy is None:
+            policy = default_policy(config=config)
         if isinstance(policy, str) and policy in LEARNED_POLICIES:
             kwargs.setdefault("config", config)  # a model loaded with an adapter bundle: its scorer
         pol = get_policy(policy, **kwargs)
@@ -519,7 +523,7 @@ class KVpopCache(Cache):
                 f"policy={self.policy!r})")  # fmt: skip
 
 
-def make_cache(model, policy: str | Policy = DEFAULT_POLICY, *, budget: int | None = None,
+def make_cache(model, policy: str | Policy | None = None, *, budget: int | None = None,
                eviction: EvictionConfig | None = None, compile: bool | None = None, **kwargs) -> KVpopCache | None:  # fmt: skip
     """A cache for ``model`` under ``policy``: ``None`` for ``"dense"`` (transformers' own cache).
 
@@ -530,11 +534,13 @@ def make_cache(model, policy: str | Policy = DEFAULT_POLICY, *, budget: int | No
     instance (``get_policy(name, model=model)``, resolved once) is reused as it is: no checkpoint
     is read and no weights are hashed again. ``model`` may also be just a config (a
     ``PretrainedConfig``, e.g. a serving engine's, which has no transformers model): then only the
-    config part is checked, as by ``KVpopCache``.
+    config part is checked, as by ``KVpopCache``. ``policy`` None: :func:`kvpop.policies.default_policy`.
     """
     if isinstance(policy, str) and policy == DENSE:
         return None
     config = model if isinstance(model, PretrainedConfig) else model.config
+    if policy is None:
+        policy = default_policy(None if config is model else model, config)
     if isinstance(policy, str) and policy in LEARNED_POLICIES and config is not model:
         kwargs.setdefault("model", model)
     return KVpopCache(config, budget, policy=policy, eviction=eviction, compile=compile, **kwargs)

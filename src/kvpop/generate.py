@@ -18,7 +18,7 @@ from .cache import KVpopCache, make_cache
 from .compat import cache_kwargs
 from .config import BudgetArgs
 from .models import kv_bytes_at
-from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy
+from .policies import DENSE, POLICIES, Policy
 from .validate import check_int, check_prompts
 
 # generate() options that crop the cache after verifying draft tokens (transformers' assisted decoding)
@@ -82,7 +82,7 @@ def generate(
     tokenizer,
     prompt: str | list[str],
     *,
-    policy: str | Policy = DEFAULT_POLICY,
+    policy: str | Policy | None = None,
     max_new_tokens: int = 128,
     chat: bool = False,
     allow_position_overflow: bool = False,
@@ -93,7 +93,8 @@ def generate(
     """Generate from ``prompt`` (a string or a batch of strings) with a bounded KV cache.
 
     ``policy`` is a name from ``kvpop.POLICIES``, ``"dense"``, or a :class:`Policy`; the default
-    is the shipped mLSTM scorer (``"kvpop"``). ``policy_kwargs`` go to the policy factory (e.g.
+    is the shipped mLSTM scorer (``"kvpop"``), or on a model loaded with an adapter bundle the
+    policy its scorer serves (:func:`kvpop.policies.default_policy`). ``policy_kwargs`` go to the policy factory (e.g.
     ``{"path": "scorer.safetensors"}``). The budget is ``budget=B``, ``k=K`` (+ ``window``), or
     ``compression=r`` with ``reference_length=L`` (the keywords of :class:`kvpop.config.BudgetArgs`);
     ``window`` and the recency tilt ``lam`` default to what a learned scorer was trained with (else

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from .base import ExitBatch, Policy, PolicyKernels, map_state
 from .h2o import H2OPolicy
 from .knorm import KnormPolicy
-from .learned import KIND_TO_POLICY, LearnedPolicy, learned_policy_factory
+from .learned import KIND_TO_POLICY, LearnedPolicy, adapter_scorer, learned_policy_factory
 from .oracle import OraclePolicy
 from .random import RandomPolicy
 from .snapkv import SnapKVPolicy
@@ -19,7 +19,7 @@ from .streaming import StreamingPolicy
 from .tova import TovaPolicy
 
 DENSE = "dense"  # not a policy: no eviction, a plain transformers cache
-DEFAULT_POLICY = "kvpop"  # the shipped mLSTM scorer
+DEFAULT_POLICY = "kvpop"  # the shipped mLSTM scorer (on a model with an adapter bundle: see default_policy)
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "streaming": StreamingPolicy,
@@ -49,6 +49,16 @@ def register_policy(name: str, factory: Callable[..., Policy]) -> None:
     POLICIES[name] = factory
 
 
+def default_policy(model=None, config=None) -> str:
+    """The policy a cache uses when none is named: on a model loaded with an adapter bundle
+    (``load_model(adapter=...)``, found through the model or its config) the learned policy its
+    scorer serves (an MLP bundle: ``"kvpop-mlp"``), else :data:`DEFAULT_POLICY`. So
+    ``KVpopCache(adapted.config, budget=B)`` runs the bundle's scorer whichever kind it is; naming
+    the other learned policy explicitly stays an error that says which one serves the bundle."""
+    bundle = adapter_scorer(model, config)
+    return DEFAULT_POLICY if bundle is None else KIND_TO_POLICY[bundle[1].config.kind]
+
+
 def get_policy(policy: str | Policy, **kwargs) -> Policy:
     """A policy instance from a name or an instance; unknown names list the known ones."""
     if isinstance(policy, Policy):
@@ -76,6 +86,7 @@ __all__ = [
     "SnapKVPolicy",
     "StreamingPolicy",
     "TovaPolicy",
+    "default_policy",
     "get_policy",
     "map_state",
     "policy_names",
