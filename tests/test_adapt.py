@@ -179,6 +179,10 @@ def test_adapt_runs_and_trains_lora_and_scorer(tmp_path, docs, scorer_path, join
     # validation: retention against the base dense model, the adapted model's own dense retention, best kept
     val = [h["val"] for h in hist if "val" in h]
     assert len(val) == 2 and 0 < val[-1]["24"]["retention"] and 0 < val[-1]["dense"]["retention"]
+    # both tasks, per window (selection stays on lm: mean_retention is the lm mean, as in stored baselines)
+    assert 0 < val[-1]["24"]["continuation"]["retention"] != val[-1]["24"]["retention"]
+    assert all(set(d) == {"corpus", "retention", "continuation"} for d in val[-1]["24"]["per_doc"])
+    assert val[-1]["mean_retention"] == val[-1]["24"]["retention"]
     assert "24" in s["baseline"] and (tmp_path / "best" / "kvpop_adapter.json").is_file()
     assert read_bundle_meta(tmp_path / "best")["meta"]["steps"] == s["best"]["step"]
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4

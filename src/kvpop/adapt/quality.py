@@ -40,7 +40,11 @@ def _metrics(sums: Sums) -> dict:
 
 
 class AdaptProbe:
-    """Validation windows (validation split of the training data) and the base model's dense runs."""
+    """Validation windows (validation split of the training data) and the base model's dense runs.
+
+    Each budget reports ``lm`` (the selection criterion: ``mean_retention`` is its mean over the
+    budgets, as in every stored baseline) and ``continuation`` (the last ``S/16`` predictions of each
+    window, from the same passes), each with per-window values."""
 
     def __init__(self, model, tokenizer, cfg: AdaptConfig, frozen=None, n_docs: int | None = None) -> None:
         self.model, self.frozen, self.cfg = model, frozen, cfg
@@ -69,8 +73,9 @@ class AdaptProbe:
             ev = cfg.eviction(b)
             label = f"validation B={b}" if cfg.progress else None
             s = self.probe.score(m, policy, b, window=ev.window, sinks=ev.sinks, lam=ev.lam, progress=label)
-            per_doc = [{"corpus": c, "retention": r} for c, r in zip(s.labels, s.per_doc(), strict=True)]
-            out[str(b)] = {**_metrics(s.lm()), "per_doc": per_doc}
+            per_doc = [{"corpus": c, "retention": r, "continuation": x}
+                       for c, r, x in zip(s.labels, s.per_doc(), s.per_doc("continuation"), strict=True)]
+            out[str(b)] = {**_metrics(s.lm()), "continuation": _metrics(s.continuation()), "per_doc": per_doc}
         if dense:
             d: Scores = self.probe.score(m, None, 0, progress="validation dense" if cfg.progress else None)  # vs base
             for b in budgets:
@@ -100,7 +105,8 @@ class AdaptProbe:
 
     def describe(self, q: dict) -> str:
         parts = [f"B={b} retention {q[str(b)]['retention']:.4f} (KL {q[str(b)]['kl']:.4f})"
-                 for b in self.cfg.validation_budgets()]
+                 + (f" continuation {q[str(b)]['continuation']['retention']:.4f}" if "continuation" in q[str(b)] else "")
+                 for b in self.cfg.validation_budgets()]  # fmt: skip
         if "dense" in q:
             parts.append(f"adapted dense retention {q['dense']['retention']:.4f} (KL {q['dense']['kl']:.4f})")
         return ", ".join(parts) + " vs base dense"
