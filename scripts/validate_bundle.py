@@ -49,7 +49,7 @@ def main() -> None:
                    out=str(Path(args.out).parent))
     cfg = AdaptConfig(**run_cfg)
     t0 = time.time()
-    model, tok = kvpop.load_model(progress=False)
+    model, tok = kvpop.load_model(cfg.model, progress=False)  # the run's base model (None: the embedded one)
     model, scorer, _ = load_adapter_bundle(model, bundle, merge=False)
     probe = AdaptProbe(model, tok, cfg, n_docs=args.docs)
     q = probe(scorer)

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,6 +187,29 @@ def test_adapt_runs_and_trains_lora_and_scorer(tmp_path, docs, scorer_path, join
     assert "24" in s["baseline"] and (tmp_path / "best" / "kvpop_adapter.json").is_file()
     assert read_bundle_meta(tmp_path / "best")["meta"]["steps"] == s["best"]["step"]
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+
+
+def test_validate_bundle_script_reproduces_the_runs_own_validation(tmp_path, docs, scorer_path):
+    """scripts/validate_bundle.py gives any bundle the run's validation: on the run's final adapter it
+    must reproduce the run's own last validation (same windows, budgets, scorer settings, base model)."""
+    save_tiny_model(tmp_path / "base", seed=0)
+    run = tmp_path / "run"
+    s = adapt(_cfg(run, docs, scorer_path, model=str(tmp_path / "base"), steps=2, val_docs=1))
+    out = tmp_path / "val.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "validate_bundle.py"
+    proc = subprocess.run([sys.executable, str(script), str(run), str(run / "adapter"), "--out", str(out)],
+                          check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(out.read_text())
+    want = s["history"][-1]["val"]
+    assert got["windows"] == {"24": 8} and got["baseline"]["24"]["retention"] == s["baseline"]["24"]["retention"]
+    for key in ("retention", "kl"):
+        assert got["validation"]["24"][key] == pytest.approx(want["24"][key], rel=1e-5, abs=1e-7)
+    assert got["validation"]["24"]["continuation"]["retention"] == pytest.approx(
+        want["24"]["continuation"]["retention"], rel=1e-5)
+    bad = subprocess.run([sys.executable, str(script), str(run), str(tmp_path), "--out", str(out)],
+                         check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode != 0 and "is not an adapter bundle" in bad.stderr
 
 
 def test_streaming_control(tmp_path, docs):
