@@ -142,7 +142,7 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
 
     from kvpop import checkpoint
     from kvpop.adapters import add_lora, save_adapter_bundle
-    from kvpop.cli import _generate_adapter
+    from kvpop.cli import _compare_adapter, _generate_adapter
     from kvpop.testing import tiny_model
 
     root, _ = tiny
@@ -187,6 +187,14 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
     assert _generate_adapter(args(base_model=True), "kvpop") is None
     assert _generate_adapter(args(), "streaming") is None and _generate_adapter(args(), "dense") is None
     assert _generate_adapter(args(model="x"), "kvpop") is None and _generate_adapter(args(scorer="s"), "kvpop") is None
+    # --compare loads the shipped bundle when the policy its scorer serves is compared
+    assert _compare_adapter(args(), ["dense", "streaming", "kvpop"]) == "default"
+    assert _compare_adapter(args(), ["dense", "streaming", "kvpop-mlp"]) is None
+    monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "mlp-bundle")  # an MLP bundle ships
+    assert _compare_adapter(args(), ["dense", "streaming", "kvpop-mlp"]) == "default"
+    assert _compare_adapter(args(), ["dense", "kvpop"]) is None and _compare_adapter(args(base_model=True),
+                                                                                      ["kvpop-mlp"]) is None
+    assert _compare_adapter(args(adapter="x"), ["dense"]) == "x"
     monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "none")
     assert _generate_adapter(args(), "kvpop") is None  # nothing shipped: the base model
 

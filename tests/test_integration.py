@@ -87,16 +87,20 @@ def test_shipped_scorers_default_to_their_trained_window(real):
             assert cache.eviction.window == budget // 2 and cache.eviction.lam == lam, (name, budget)
 
 
-def test_shipped_adapter_loads_onto_the_embedded_model_and_serves_kvpop(real):
-    """load_model(adapter="default"): the shipped LoRA bundle; its scorer serves policy "kvpop";
+def test_shipped_adapter_loads_onto_the_embedded_model_and_serves_its_policy(real):
+    """load_model(adapter="default"): the shipped LoRA bundle; its scorer serves the model's default
+    policy (the one its kind names: kvpop-mlp for the MLP bundle shipped since December 2026);
     the adapted model is a slightly different model; the adapter off gives the base model back."""
     from kvpop.adapters import teacher_mode
+    from kvpop.policies import KIND_TO_POLICY
 
     base, tok = real
     model, _ = kvpop.load_model(adapter="default", progress=False)
     assert model.kvpop_adapter.scorer is not None
-    cache = kvpop.make_cache(model, "kvpop", budget=512)
-    assert "adapter bundle" in cache.policy.source and cache.eviction.window == 256
+    policy = kvpop.default_policy(model)
+    assert policy == KIND_TO_POLICY[model.kvpop_adapter.scorer.config.kind]
+    for cache in (kvpop.make_cache(model, budget=512), kvpop.make_cache(model, policy, budget=512)):
+        assert "adapter bundle" in cache.policy.source and cache.eviction.window == 256
     ids = tok("The quick brown fox jumps over the lazy dog. " * 6, return_tensors="pt").input_ids[:, :48]
     with torch.no_grad():
         want = base(ids).logits

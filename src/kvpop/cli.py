@@ -204,17 +204,23 @@ def _compare_policies(args) -> list[str]:
     return policies
 
 
+def _compare_adapter(args, policies: list[str]):
+    """The bundle ``--compare`` loads: ``--adapter``, else the shipped adapted bundle when the policy its
+    scorer serves is among the compared ones (as `kvpop generate` would load it: an mLSTM bundle for
+    ``kvpop``, an MLP bundle for ``kvpop-mlp``); every row then runs the adapted model."""
+    adapter = _generate_adapter(args, DEFAULT_POLICY)
+    if adapter is not None and args.adapter is None and _bundle_policy(adapter, DEFAULT_POLICY) not in policies:
+        return None
+    return adapter
+
+
 def cmd_compare(args) -> int:
     """``kvpop generate --compare P1,P2,...``: the same prompt under each policy, one table."""
     policies = _compare_policies(args)
     if any(p != "dense" for p in policies):
         _check_args(args)
     prompt = _read_prompt(args)
-    # the shipped adapted bundle when its scorer serves a compared policy (as `kvpop generate` would load it)
-    adapter = _generate_adapter(args, DEFAULT_POLICY if DEFAULT_POLICY in policies else policies[0])
-    if adapter is not None and args.adapter is None and _bundle_policy(adapter, DEFAULT_POLICY) not in policies:
-        adapter = None
-    model, tok = _load(args, adapter)
+    model, tok = _load(args, _compare_adapter(args, policies))
     outcomes = compare(model, tok, prompt, policies, cache_kwargs={**_cache_kwargs(args), "compile": args.compile},
                        policy_kwargs={p: _policy_kwargs(args, p) for p in policies},
                        max_new_tokens=args.max_new_tokens, chat=args.chat)  # fmt: skip
@@ -294,7 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a built-in long prompt: a ~6k-token Paul Graham essay (paul_graham corpus) and a question")  # fmt: skip
     pg.add_argument("--max-new-tokens", type=int, default=64)
     pg.add_argument("--policy", choices=EVICTION_POLICIES, default=None,
-                    help=f"eviction policy (default: {DEFAULT_POLICY}, the shipped mLSTM scorer; with --scorer: its kind)")  # fmt: skip
+                    help=f"eviction policy (default: on the embedded model, the policy of the shipped adapted bundle's scorer, "
+                         f"kvpop-mlp; else {DEFAULT_POLICY}, the shipped mLSTM scorer; with --scorer: its kind)")  # fmt: skip
     _add_budget(pg)
     pg.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     pg.add_argument("--scorer", metavar="PATH", default=None,
