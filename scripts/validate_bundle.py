@@ -31,13 +31,14 @@ def main() -> None:
     bundle = Path(args.bundle)
     if not state.is_file():
         raise SystemExit(f"run: no train_state.pt in {args.run}")
-    if not (bundle / "kvpop_adapter.json").is_file():
-        raise SystemExit(f"bundle: {bundle} is not an adapter bundle (no kvpop_adapter.json)")
+    from kvpop.adapters import ADAPTER_META_FILE, SCORER_FILE, load_adapter_bundle
+
+    if not (bundle / ADAPTER_META_FILE).is_file():
+        raise SystemExit(f"bundle: {bundle} is not an adapter bundle (no {ADAPTER_META_FILE})")
 
     import kvpop
     from kvpop.adapt.config import AdaptConfig
     from kvpop.adapt.quality import AdaptProbe
-    from kvpop.adapters import load_adapter_bundle
 
     torch.set_num_threads(1)
     blob = torch.load(state, map_location="cpu", weights_only=False)
@@ -45,7 +46,7 @@ def main() -> None:
     fields = {f.name for f in dataclasses.fields(AdaptConfig) if f.init}
     run_cfg = {k: v for k, v in run_cfg.items() if k in fields}
     # the windows and lam come from the bundle's scorer (what a cache built on the bundle resolves)
-    run_cfg.update(scorer=str(bundle / "scorer.safetensors"), window=None, window_fraction=None, lam=None,
+    run_cfg.update(scorer=str(bundle / SCORER_FILE), window=None, window_fraction=None, lam=None,
                    out=str(Path(args.out).parent))
     cfg = AdaptConfig(**run_cfg)
     t0 = time.time()

@@ -352,6 +352,11 @@ class Scores:
     def per_doc(self, task: str = "lm") -> list[float]:
         return [getattr(d, task).retention for d in self.docs]
 
+    def per_doc_rows(self, key: str = "corpus") -> list[dict]:
+        """One row per document, ``{key: label, "retention": lm, "continuation": continuation}``."""
+        return [{key: label, "retention": lm, "continuation": cont}
+                for label, lm, cont in zip(self.labels, self.per_doc("lm"), self.per_doc("continuation"), strict=True)]
+
 
 class Probe:
     """Documents and their reference outputs; :meth:`score` runs a model under a policy on each.

@@ -39,6 +39,11 @@ def _metrics(sums: Sums) -> dict:
     return {k: m[k] for k in ("retention", "kl", "top1_agreement", "ppl_dense", "ppl_policy", "n_tokens")}
 
 
+def _both_tasks(s: Scores, key: str) -> dict:
+    """lm metrics, ``continuation`` metrics and the per-document rows of one policy at one budget."""
+    return {**_metrics(s.lm()), "continuation": _metrics(s.continuation()), "per_doc": s.per_doc_rows(key)}
+
+
 class AdaptProbe:
     """Validation windows (validation split of the training data) and the base model's dense runs.
 
@@ -73,9 +78,7 @@ class AdaptProbe:
             ev = cfg.eviction(b)
             label = f"validation B={b}" if cfg.progress else None
             s = self.probe.score(m, policy, b, window=ev.window, sinks=ev.sinks, lam=ev.lam, progress=label)
-            per_doc = [{"corpus": c, "retention": r, "continuation": x}
-                       for c, r, x in zip(s.labels, s.per_doc(), s.per_doc("continuation"), strict=True)]
-            out[str(b)] = {**_metrics(s.lm()), "continuation": _metrics(s.continuation()), "per_doc": per_doc}
+            out[str(b)] = _both_tasks(s, "corpus")
         if dense:
             d: Scores = self.probe.score(m, None, 0, progress="validation dense" if cfg.progress else None)  # vs base
             for b in budgets:
@@ -245,8 +248,5 @@ def compare_adapted(base_model, bundle, docs, budgets=None, *, streaming_bundle=
     for b in cmp.budgets:
         result[str(b)] = {}
         for r in cmp.rows:
-            s = Scores(labels, scores[b][r])
-            per_doc = [{"doc": label, "retention": lm, "continuation": cont}
-                       for label, lm, cont in zip(labels, s.per_doc("lm"), s.per_doc("continuation"), strict=True)]
-            result[str(b)][r] = {**_metrics(s.lm()), "continuation": _metrics(s.continuation()), "per_doc": per_doc}
+            result[str(b)][r] = _both_tasks(Scores(labels, scores[b][r]), "doc")
     return {"budgets": result, "settings": {**cmp.settings, "docs": labels}}

@@ -91,10 +91,8 @@ class RetentionProbe:
         s = self.probe.score(self.model, policy, budget, window=cfg.window_for(budget), sinks=cfg.sinks, lam=cfg.lam,
                              progress=label)  # fmt: skip
         m = s.lm().metrics()
-        per_doc = [{"corpus": corpus, "retention": lm, "continuation": cont}
-                   for corpus, lm, cont in zip(s.labels, s.per_doc("lm"), s.per_doc("continuation"), strict=True)]
         return {"retention": m["retention"], "kl": m["kl"], "continuation": s.continuation().retention,
-                "per_doc": per_doc}  # fmt: skip
+                "per_doc": s.per_doc_rows("corpus")}  # fmt: skip
 
     def streaming(self, budget: int) -> dict:
         if budget not in self._streaming:
