@@ -212,6 +212,37 @@ def test_validate_bundle_script_reproduces_the_runs_own_validation(tmp_path, doc
     assert bad.returncode != 0 and "is not an adapter bundle" in bad.stderr
 
 
+def test_joint_diagnosis_scripts_read_the_run(tmp_path, docs, scorer_path):
+    """scripts/adapt_validations.py returns a run's own validations; scripts/scorer_loss_check.py
+    measures the very loss joint training descends: on the run's first training sequence, the starting
+    scorer's loss is the one the run logged at step 1."""
+    save_tiny_model(tmp_path / "base", seed=0)
+    run = tmp_path / "run"
+    s = adapt(_cfg(run, docs, scorer_path, model=str(tmp_path / "base"), steps=2, val_docs=1, joint=True))
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    out = tmp_path / "v.json"
+    proc = subprocess.run([sys.executable, str(scripts / "adapt_validations.py"), str(run), "--out", str(out)],
+                          check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (rec,) = json.loads(out.read_text())
+    assert rec["baseline"]["24"]["lm"] == s["baseline"]["24"]["retention"]
+    vals = [h for h in s["history"] if h.get("val")]
+    assert [v["step"] for v in rec["validations"]] == [h["step"] for h in vals]
+    assert rec["validations"][-1]["24"]["lm"] == vals[-1]["val"]["24"]["retention"]
+    assert rec["validations"][-1]["24"]["continuation"] == vals[-1]["val"]["24"]["continuation"]["retention"]
+
+    trained = run / "adapter" / "scorer.safetensors"
+    proc = subprocess.run([sys.executable, str(scripts / "scorer_loss_check.py"), "--run", str(run), "--scorers",
+                           str(scorer_path), str(trained), "--train", "1", "--val", "1", "--out", str(out)],
+                          check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(out.read_text())["scorers"]
+    assert got[str(scorer_path)]["train"]["24"]["per_sequence"][0] == pytest.approx(s["history"][0]["scorer_loss"],
+                                                                                    rel=1e-4)  # fmt: skip
+    assert got[str(trained)]["train"]["24"]["mean"] != got[str(scorer_path)]["train"]["24"]["mean"]
+    assert all(math.isfinite(got[p]["validation"]["24"]["mean"]) for p in got)
+
+
 def test_streaming_control(tmp_path, docs):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     s = adapt(_cfg(tmp_path, docs, mask="streaming", val_docs=1, steps=2, gradient_checkpointing=True,

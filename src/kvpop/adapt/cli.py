@@ -26,8 +26,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--scorer", default=None, help="scorer checkpoint to start from (kvpop train); needed for --mask kvpop")
     joint = p.add_mutually_exclusive_group()
     joint.add_argument("--joint", dest="joint", action="store_true",
-                       help="also train the scorer (boundary loss on the adapted model's keys); measured to lower "
-                            "retention so far, see docs/adaptation.md")  # fmt: skip
+                       help="also train the scorer (boundary loss on the adapted model's keys); on a trained scorer "
+                            "this step lowers retention even with the LLM frozen, see docs/adaptation.md")  # fmt: skip
     joint.add_argument("--no-joint", dest="joint", action="store_false", help="keep the scorer fixed (the default)")
     p.set_defaults(joint=d.joint)
     add_run_arguments(p, d, texts="adapt on", corpora=TRAIN_CORPORA,

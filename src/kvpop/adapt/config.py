@@ -38,7 +38,8 @@ class AdaptConfig(RunSettings):
     mask: str = "kvpop"  # "kvpop": the learned scorer's mask; "streaming": StreamingLLM+ (k = 0, window = B - sinks)
     scorer: str | None = None  # scorer checkpoint to start from (required for mask kvpop; its kind/config decide)
     # also train the scorer (boundary loss on the adapted model's detached keys/values); off by default:
-    # the one joint run lowered validation retention (0.932 -> 0.911 at B = 1,024 after 40 steps)
+    # on a trained scorer the boundary-loss step lowers retention even with the LLM frozen, while the
+    # loss itself keeps falling (docs/adaptation.md, "Why joint training does not help")
     joint: bool = False
     corpora: tuple[str, ...] = TRAIN_CORPORA
     docs_from: str | None = None
