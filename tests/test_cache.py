@@ -275,9 +275,14 @@ def test_learned_policy_defaults_to_its_trained_window_and_lam_and_warns_on_othe
     with pytest.warns(ScorerSettingsWarning, match="lam 0 .*trained: 0.01"):
         KVpopCache(model.config, budget=24, lam=0.0, policy=pol)
     # outside the trained range: still the trained fraction, with a warning naming the range
-    with pytest.warns(ScorerSettingsWarning, match="budget 64 .*trained over budgets 24..48"):
+    with pytest.warns(ScorerSettingsWarning, match="budget 64 .*trained over budgets 24..48") as rec:
         c = KVpopCache(model.config, budget=64, policy=pol)
     assert c.eviction.window == 32
+    # the advice fits the cause: nothing to unset when only the budget is outside the range
+    (msg,) = [str(w.message) for w in rec if w.category is ScorerSettingsWarning]
+    assert "leave window/lam unset" not in msg and "never saw a budget outside 24..48" in msg
+    with pytest.warns(ScorerSettingsWarning, match="leave window/lam unset"):
+        KVpopCache(model.config, budget=24, window=3, policy=pol)
     # heuristics: the library defaults (B / 2, lam 0)
     c = KVpopCache(model.config, budget=24, policy="h2o")
     assert (c.eviction.window, c.eviction.lam) == (12, 0.0)

@@ -396,5 +396,11 @@ def settings_note(ev: EvictionConfig, trained: TrainedSettings, source: str = "t
         problems.append(f"lam {ev.lam:g} (trained: {trained.lam:g})")
     if not problems:
         return None
+    chosen = len(problems) > (0 if trained.covers(ev.budget) else 1)  # a window or lam the caller set
+    advice = ["leave window/lam unset to use the trained ones"] if chosen else []
+    if not trained.covers(ev.budget):  # a budget no setting can fix
+        lo, hi = trained.budget_range
+        advice.append(("the window is still its trained fraction of B, but " if not chosen else "")
+                      + f"it never saw a budget outside {lo}..{hi}")  # fmt: skip
     return (f"{source} was not trained for " + " and ".join(problems)
-            + "; its decisions may be worse than with its trained settings (leave window/lam unset to use them)")
+            + f"; its decisions may be worse than where it was trained ({'; '.join(advice)})")
