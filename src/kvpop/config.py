@@ -400,7 +400,7 @@ def settings_note(ev: EvictionConfig, trained: TrainedSettings, source: str = "t
     advice = ["leave window/lam unset to use the trained ones"] if chosen else []
     if not trained.covers(ev.budget):  # a budget no setting can fix
         lo, hi = trained.budget_range
-        advice.append(("the window is still its trained fraction of B, but " if not chosen else "")
+        advice.append(("the window is still what its training rule gives at this B, but " if not chosen else "")
                       + f"it never saw a budget outside {lo}..{hi}")  # fmt: skip
     return (f"{source} was not trained for " + " and ".join(problems)
             + f"; its decisions may be worse than where it was trained ({'; '.join(advice)})")
