@@ -10,10 +10,11 @@ them as JSON (``--out``), so an experiment's record is committed as data, not as
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
+
+from kvpop.files import write_json
 
 
 def _row(q: dict) -> dict:
@@ -30,11 +31,11 @@ def _row(q: dict) -> dict:
 
 def run_record(path: Path) -> dict:
     state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=False)
-    cfg = state.get("config", {})
+    cfg = state["config"]
     keep = ("joint", "lr", "scorer_lr", "steps", "seq_len", "budgets", "budget_range", "lora_r", "val_docs", "scorer")
     return {
         "run": str(path),
-        "settings": {k: cfg.get(k) for k in keep} if isinstance(cfg, dict) else {},
+        "settings": {k: cfg.get(k) for k in keep},
         "steps_done": state["step"],
         "baseline": _row(state.get("baseline") or {}),
         "validations": [{"step": h["step"], **_row(h["val"])} for h in state["history"] if h.get("val")],
@@ -57,7 +58,7 @@ def main() -> None:
             print(f"  {name:>8}  " + " | ".join(cells))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(records, indent=1) + "\n")
+        write_json(args.out, records)
 
 
 if __name__ == "__main__":

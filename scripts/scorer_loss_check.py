@@ -15,8 +15,6 @@ Retention under the real cache of the same scorers comes from the runs themselve
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -42,17 +40,17 @@ def main() -> None:
     from kvpop.adapt.config import AdaptConfig
     from kvpop.adapt.loop import scorer_step
     from kvpop.checkpoint import load_scorer
+    from kvpop.files import write_json
     from kvpop.train.data import SequenceSource, capture_example
     from kvpop.train.quality import VALIDATION_SEED
 
     torch.set_num_threads(1)
-    saved = torch.load(state, map_location="cpu", weights_only=False)["config"]
-    fields = {f.name for f in dataclasses.fields(AdaptConfig) if f.init}
-    cfg = AdaptConfig(**{k: v for k, v in saved.items() if k in fields})
+    cfg = AdaptConfig.from_saved(torch.load(state, map_location="cpu", weights_only=False)["config"])
     t0 = time.time()
     model, tok = kvpop.load_model(cfg.model, progress=False)  # the run's base model
     scorers = {p: load_scorer(p, model=model)[0] for p in args.scorers}
-    obs = tuple(next(iter(scorers.values())).config.observed)
+    # every observed-attention window any of them reads (one capture serves all)
+    obs = tuple(dict.fromkeys(o for sc in scorers.values() for o in sc.config.observed))
     evs = {b: cfg.eviction(b) for b in cfg.budgets}
     windows = sorted({ev.window for ev in evs.values()})
     res = {"run": str(args.run), "budgets": list(cfg.budgets), "windows": {str(b): ev.window for b, ev in evs.items()},
@@ -77,7 +75,7 @@ def main() -> None:
     for p, r in res["scorers"].items():
         print(p, {s: {b: round(v["mean"], 4) for b, v in r[s].items()} for s in r})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+    write_json(args.out, res)
 
 
 if __name__ == "__main__":

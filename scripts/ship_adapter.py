@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 from kvpop.checkpoint import DEFAULT_ADAPTER
+from kvpop.files import write_json
 
 BUNDLE_FILES = ("adapter_config.json", "adapter_model.safetensors", "kvpop_adapter.json", "scorer.safetensors")
 
@@ -66,7 +67,7 @@ def main() -> None:
     tmp.mkdir(parents=True)
     for f in BUNDLE_FILES:
         shutil.copyfile(src / f, tmp / f)
-    (tmp / "summary.json").write_text(json.dumps(shipped, indent=1, default=str) + "\n")
+    write_json(tmp / "summary.json", shipped)  # strict JSON: a run with no validation yet has best null
     if DEFAULT_ADAPTER.exists():
         shutil.rmtree(DEFAULT_ADAPTER)
     os.replace(tmp, DEFAULT_ADAPTER)

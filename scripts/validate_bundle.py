@@ -12,8 +12,6 @@ and the bundle's own scorer, windows and lam resolved from that scorer. Prints a
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -39,16 +37,13 @@ def main() -> None:
     import kvpop
     from kvpop.adapt.config import AdaptConfig
     from kvpop.adapt.quality import AdaptProbe
+    from kvpop.files import write_json
 
     torch.set_num_threads(1)
     blob = torch.load(state, map_location="cpu", weights_only=False)
-    run_cfg = dict(blob["config"])
-    fields = {f.name for f in dataclasses.fields(AdaptConfig) if f.init}
-    run_cfg = {k: v for k, v in run_cfg.items() if k in fields}
     # the windows and lam come from the bundle's scorer (what a cache built on the bundle resolves)
-    run_cfg.update(scorer=str(bundle / SCORER_FILE), window=None, window_fraction=None, lam=None,
-                   out=str(Path(args.out).parent))
-    cfg = AdaptConfig(**run_cfg)
+    cfg = AdaptConfig.from_saved(blob["config"], scorer=str(bundle / SCORER_FILE), window=None,
+                                 window_fraction=None, lam=None, out=str(Path(args.out).parent))
     t0 = time.time()
     model, tok = kvpop.load_model(cfg.model, progress=False)  # the run's base model (None: the embedded one)
     model, scorer, _ = load_adapter_bundle(model, bundle, merge=False)
@@ -59,7 +54,7 @@ def main() -> None:
            "windows": {str(b): cfg.eviction(b).window for b in cfg.validation_budgets()},
            "lam": cfg.lam_value(), "wall_s": round(time.time() - t0, 1)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     print(probe.describe(q), f"({res['wall_s']} s)")
 
 

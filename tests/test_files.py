@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvpop
 from kvpop.files import atomic_dir, atomic_writes, clean_leftovers
 from kvpop.testing import tiny_model, tiny_tokenizer
 
@@ -219,6 +220,16 @@ def test_train_summary_with_no_validation_is_strict_json(tmp_path, docs, capsys)
     train(_cfg(tmp_path, docs), tiny_model("llama"), tiny_tokenizer())
     summary = _strict(tmp_path / "summary.json")
     assert summary["best"]["mean_retention"] is None
+
+
+def test_every_json_the_package_ships_is_strict():
+    """The shipped summaries are read by other tools: no NaN / Infinity (scripts/ship_adapter.py once
+    wrote a run's "no validation yet" best as -Infinity)."""
+    root = Path(kvpop.__file__).parent / "assets"
+    files = sorted(root.rglob("*.json"))
+    assert files
+    for f in files:
+        _strict(f)
 
 
 # --- item 13: an unwritable or full --out -------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -80,6 +80,13 @@ class AdaptConfig(RunSettings):
     check_sync: bool = False  # DDP test aid: assert identical weights on all ranks after each step
     progress: bool = True
     extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_saved(cls, saved: dict, **overrides) -> AdaptConfig:
+        """The config a checkpoint's ``config`` (the run's ``asdict``) describes, with ``overrides``:
+        how tools re-create a run's windows, budgets and data streams from ``train_state.pt``."""
+        names = {f.name for f in fields(cls) if f.init}
+        return cls(**{**{k: v for k, v in saved.items() if k in names}, **overrides})
 
     def __post_init__(self) -> None:
         self.normalise_budgets()
