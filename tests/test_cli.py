@@ -76,7 +76,7 @@ def test_generate_default_policy_is_the_shipped_scorer(tiny, capsys):
     root, _ = tiny
     assert _generate(root) == 2  # the shipped scorer was trained for SmolLM2, not this model
     err = capsys.readouterr().err
-    assert "smollm2-135m-instruct-mlstm" in err and "different model" in err
+    assert "smollm2-135m-instruct-mlp" in err and "different model" in err
 
 
 @pytest.mark.parametrize("kind,policy", [("mlp", "kvpop-mlp"), ("mlstm", "kvpop")])
@@ -183,7 +183,8 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
         return argparse.Namespace(**{**base, **kw})
 
     monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "bundle")
-    assert _generate_adapter(args(), "kvpop") == "default"  # the embedded model, default policy: adapted
+    assert _generate_adapter(args(), "kvpop") == "default"  # the embedded model, the policy an mLSTM bundle serves: adapted
+    assert _generate_adapter(args(), None) == "default" and _generate_adapter(args(), "kvpop-mlp") is None
     assert _generate_adapter(args(base_model=True), "kvpop") is None
     assert _generate_adapter(args(), "streaming") is None and _generate_adapter(args(), "dense") is None
     assert _generate_adapter(args(model="x"), "kvpop") is None and _generate_adapter(args(scorer="s"), "kvpop") is None
@@ -194,6 +195,9 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
     assert _compare_adapter(args(), ["dense", "streaming", "kvpop-mlp"]) == "default"
     assert _compare_adapter(args(), ["dense", "kvpop"]) is None and _compare_adapter(args(base_model=True),
                                                                                       ["kvpop-mlp"]) is None
+    # another learned policy by name runs on the base model (the LoRA was adapted under the bundle's scorer)
+    assert _generate_adapter(args(), "kvpop-mlp") == "default" and _generate_adapter(args(), "kvpop") is None
+    assert _generate_adapter(args(), None) == "default"  # none named: the bundle, whichever kind its scorer is
     assert _compare_adapter(args(adapter="x"), ["dense"]) == "x"
     monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "none")
     assert _generate_adapter(args(), "kvpop") is None  # nothing shipped: the base model

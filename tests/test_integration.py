@@ -49,7 +49,7 @@ def test_shipped_scorers_fit_the_embedded_model_and_are_the_default(real):
         kvpop.KVpopCache(model.config, budget=64, policy=name)
         kvpop.make_cache(model, name, budget=64)
     res = kvpop.generate(model, tok, "The capital of France is", budget=24, window=8, max_new_tokens=6)
-    assert res.cache.policy.name == "kvpop" and res.new_tokens >= 1
+    assert res.cache.policy.name == kvpop.DEFAULT_POLICY == "kvpop-mlp" and res.new_tokens >= 1
     assert res.kv_bytes == kvpop.kv_bytes_per_token(model.config) * 24
 
 

@@ -346,11 +346,11 @@ def _eviction(config, pol: Policy, args: BudgetArgs, eviction: EvictionConfig | 
     if eviction is None:  # the one resolver: unset window / lam come from a learned scorer's trained settings
         eviction = resolve_eviction(args, trained=pol.trained, warn=False)
     note = None if pol.trained is None else settings_note(eviction, pol.trained, _source(pol))
-    if note:
-        warnings.warn(note, ScorerSettingsWarning, stacklevel=4)  # at the caller of KVpopCache(...)
     if not pol.uses_long_range and eviction.k > 0:  # equal budget, all of it recency: StreamingLLM, a longer window
         eviction = dataclasses.replace(eviction, window=eviction.window + eviction.k, k=0)
-    pol.validate(config, eviction)
+    pol.validate(config, eviction)  # a scorer for another model: that error alone, no warning about its settings
+    if note:
+        warnings.warn(note, ScorerSettingsWarning, stacklevel=4)  # at the caller of KVpopCache(...)
     limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
     if limit is not None and eviction.budget > limit:
         raise ValueError(
@@ -389,10 +389,11 @@ class KVpopCache(Cache):
 
     Example::
 
-        cache = kvpop.KVpopCache(model.config, budget=512, window=64)  # policy="kvpop": the shipped mLSTM scorer
+        cache = kvpop.KVpopCache(model.config, budget=512)  # policy "kvpop-mlp": the shipped MLP scorer
         model.generate(**inputs, cache=cache, max_new_tokens=2000)
 
-    The default policy ``"kvpop"`` loads the scorer shipped for SmolLM2-135M-Instruct; on any other
+    The default policy (:data:`kvpop.policies.DEFAULT_POLICY`, ``"kvpop-mlp"``) loads the scorer
+    shipped for SmolLM2-135M-Instruct; on any other
     model it raises ``ScorerMismatchError`` (train one with ``kvpop train`` and pass ``path=``, or
     name a heuristic policy such as ``"h2o"``).
 
@@ -413,7 +414,7 @@ class KVpopCache(Cache):
         """``budget`` and the other keywords of :class:`kvpop.config.BudgetArgs` (``k``, ``compression``,
         ``reference_length``, ``window``, ``sinks``, ``lam``, ``prefill_chunk``), or ``eviction=``; any
         other keyword goes to the policy factory (e.g. ``path=`` a scorer checkpoint, ``seed=``).
-        ``policy`` None: :func:`kvpop.policies.default_policy` (``"kvpop"``; on a model loaded with an
+        ``policy`` None: :func:`kvpop.policies.default_policy` (``"kvpop-mlp"``; on a model loaded with an
         adapter bundle, the policy its scorer serves)."""
         check_attention(config)
         if compile is not None and not isinstance(compile, bool):

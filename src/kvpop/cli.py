@@ -149,20 +149,22 @@ def _check_args(args) -> None:
         raise ValueError(f"--max-new-tokens must be a positive int, got {args.max_new_tokens}")
 
 
-def _generate_adapter(args, policy: str):
+def _generate_adapter(args, policy: str | None):
     """The adapter bundle `kvpop generate` loads: --adapter, else the shipped one for the embedded
-    model under the default learned policy (its own scorer), unless --base-model."""
+    model when no policy is named (``None``) or the named one is the learned policy its scorer
+    serves, unless --base-model. (Another learned policy by name runs on the base model: the
+    bundle's LoRA was adapted under its own scorer's mask.)"""
     if args.adapter is not None:
         if args.base_model:
             raise ValueError("--adapter and --base-model exclude each other")
         return args.adapter
-    if args.base_model or args.model is not None or args.scorer is not None or policy != DEFAULT_POLICY:
+    if args.base_model or args.model is not None or args.scorer is not None:
         return None
     try:
         default_adapter_path()
     except FileNotFoundError:  # no bundle shipped: the base model
         return None
-    return "default"
+    return "default" if policy is None or _bundle_policy("default", DEFAULT_POLICY) == policy else None
 
 
 def _bundle_policy(adapter, default: str) -> str:
@@ -208,10 +210,7 @@ def _compare_adapter(args, policies: list[str]):
     """The bundle ``--compare`` loads: ``--adapter``, else the shipped adapted bundle when the policy its
     scorer serves is among the compared ones (as `kvpop generate` would load it: an mLSTM bundle for
     ``kvpop``, an MLP bundle for ``kvpop-mlp``); every row then runs the adapted model."""
-    adapter = _generate_adapter(args, DEFAULT_POLICY)
-    if adapter is not None and args.adapter is None and _bundle_policy(adapter, DEFAULT_POLICY) not in policies:
-        return None
-    return adapter
+    return next((a for p in policies if (a := _generate_adapter(args, p)) is not None), None)
 
 
 def cmd_compare(args) -> int:
@@ -239,7 +238,7 @@ def cmd_generate(args) -> int:
         policy = policy_for_scorer(args.scorer, args.policy)
     else:
         policy = args.policy or DEFAULT_POLICY
-    adapter = _generate_adapter(args, policy)
+    adapter = _generate_adapter(args, args.policy)
     if adapter is not None and args.policy is None and args.scorer is None:
         policy = _bundle_policy(adapter, policy)  # the bundle's scorer decides (an MLP bundle serves kvpop-mlp)
     policy_kwargs = _policy_kwargs(args, policy)
@@ -301,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--max-new-tokens", type=int, default=64)
     pg.add_argument("--policy", choices=EVICTION_POLICIES, default=None,
                     help=f"eviction policy (default: on the embedded model, the policy of the shipped adapted bundle's scorer, "
-                         f"kvpop-mlp; else {DEFAULT_POLICY}, the shipped mLSTM scorer; with --scorer: its kind)")  # fmt: skip
+                         f"kvpop-mlp; else {DEFAULT_POLICY}, the shipped MLP scorer; with --scorer: its kind)")  # fmt: skip
     _add_budget(pg)
     pg.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     pg.add_argument("--scorer", metavar="PATH", default=None,
@@ -310,8 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     pg.add_argument("--adapter", metavar="DIR", default=None,
                     help="an adapter bundle (kvpop adapt) to load onto the model; its scorer serves the learned policy")
     pg.add_argument("--base-model", action="store_true",
-                    help="with the default policy on the embedded model: use the base model and its scorer, not the "
-                         "shipped adapted bundle")  # fmt: skip
+                    help="with the policy the shipped adapted bundle's scorer serves (the default) on the embedded model: "
+                         "use the base model and its scorer, not the bundle (another learned policy by name runs on the "
+                         "base model anyway)")  # fmt: skip
     pg.add_argument("--compare", metavar="P1,P2,...", default=None,
                     help="answer the same prompt under each of these policies (e.g. dense,streaming,kvpop) with one "
                          "model load, and print one table: answer, KV held, prefill and decode tok/s, compiled or not")

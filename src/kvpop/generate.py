@@ -93,7 +93,7 @@ def generate(
     """Generate from ``prompt`` (a string or a batch of strings) with a bounded KV cache.
 
     ``policy`` is a name from ``kvpop.POLICIES``, ``"dense"``, or a :class:`Policy`; the default
-    is the shipped mLSTM scorer (``"kvpop"``), or on a model loaded with an adapter bundle the
+    is the shipped MLP scorer (``"kvpop-mlp"``), or on a model loaded with an adapter bundle the
     policy its scorer serves (:func:`kvpop.policies.default_policy`). ``policy_kwargs`` go to the policy factory (e.g.
     ``{"path": "scorer.safetensors"}``). The budget is ``budget=B``, ``k=K`` (+ ``window``), or
     ``compression=r`` with ``reference_length=L`` (the keywords of :class:`kvpop.config.BudgetArgs`);

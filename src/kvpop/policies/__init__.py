@@ -19,7 +19,9 @@ from .streaming import StreamingPolicy
 from .tova import TovaPolicy
 
 DENSE = "dense"  # not a policy: no eviction, a plain transformers cache
-DEFAULT_POLICY = "kvpop"  # the shipped mLSTM scorer (on a model with an adapter bundle: see default_policy)
+# the shipped MLP scorer: trained over every budget 128..2,048 (the mLSTM, policy "kvpop", only at 512 and
+# 1,024) and the better of the two on the test grid (docs/evaluation.md); with an adapter bundle: default_policy
+DEFAULT_POLICY = "kvpop-mlp"
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "streaming": StreamingPolicy,

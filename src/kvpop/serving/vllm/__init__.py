@@ -2,8 +2,8 @@
 
 Switch it on per engine::
 
-    LLM(model=DIR, additional_config={"kvpop": {"budget": 512, "policy": "kvpop"}})
-    vllm serve DIR --additional-config '{"kvpop": {"budget": 512, "policy": "kvpop"}}'
+    LLM(model=DIR, additional_config={"kvpop": {"budget": 512, "policy": "kvpop-mlp"}})
+    vllm serve DIR --additional-config '{"kvpop": {"budget": 512, "policy": "kvpop-mlp"}}'
 
 Without the ``"kvpop"`` key vLLM runs exactly as it would without kvpop installed.
 

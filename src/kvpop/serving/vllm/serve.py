@@ -20,6 +20,7 @@ import sys
 from transformers import AutoConfig
 
 from ...models import convert_gguf, default_gguf_path
+from ...policies import DEFAULT_POLICY
 from .settings import KEY, ServeSettings, SettingsError
 
 _OPTIONS = ("budget", "policy", "k", "compression", "reference_length", "window", "sinks", "lam", "prefill_chunk",
@@ -31,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
                                 epilog="Every other option goes to vLLM's serve command (`vllm serve --help`).")  # fmt: skip
     p.add_argument("model", nargs="?", default=None, help="a model folder (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--budget", type=int, default=None, help="slots per KV head and layer (B)")
-    p.add_argument("--policy", default="kvpop", help="kvpop policy (default kvpop, the shipped mLSTM scorer)")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"kvpop policy (default {DEFAULT_POLICY}, the shipped MLP scorer)")
     p.add_argument("--k", type=int, default=None, help="long-range slots (instead of --budget; needs --window)")
     p.add_argument("--compression", type=float, default=None, help="instead of --budget: 1 - B / L (with --reference-length)")
     p.add_argument("--reference-length", type=int, default=None)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ...cache import KVpopCache, make_cache
 from ...config import BudgetArgs
-from ...policies import DENSE, LEARNED_POLICIES, POLICIES, TEACHER_FORCED_ONLY
+from ...policies import DEFAULT_POLICY, DENSE, LEARNED_POLICIES, POLICIES, TEACHER_FORCED_ONLY
 
 KEY = "kvpop"  # the additional_config key that switches the plugin on
 
@@ -30,14 +30,14 @@ class ServeSettings(BudgetArgs):
 
     The budget keywords are :class:`kvpop.config.BudgetArgs`' (``budget``, ``k``, ``compression`` +
     ``reference_length``, ``window``, ``sinks``, ``lam``, ``prefill_chunk``), as for ``KVpopCache``.
-    ``policy``: a kvpop policy name (default ``"kvpop"``, the shipped mLSTM scorer). ``scorer``: a
+    ``policy``: a kvpop policy name (default :data:`kvpop.policies.DEFAULT_POLICY`, the shipped MLP scorer). ``scorer``: a
     scorer checkpoint for a learned policy (default: the one shipped for the embedded
     SmolLM2-135M-Instruct). ``seed``: for ``policy="random"``. ``compile``: compile the decode steady
     state (``KVpopCache(compile=True)``: faster steps after a compilation of a few seconds per batch
     size; the same decisions, outputs equal up to rounding).
     """
 
-    policy: str = "kvpop"
+    policy: str = DEFAULT_POLICY
     scorer: str | None = None
     seed: int | None = None
     compile: bool = False
