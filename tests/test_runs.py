@@ -41,7 +41,10 @@ def _same_history(got: list[dict], want: list[dict], key: str) -> None:
     assert [h["step"] for h in got] == [h["step"] for h in want]
     for g, w in zip(got, want, strict=True):
         assert g["budget"] == w["budget"]
-        assert g[key] == pytest.approx(w[key], rel=1e-6), g["step"]
+        # the expected values were computed on another CPU: its matmul kernels round differently, which
+        # moves a small KL (~4e-4) by ~1e-5 relative after a few steps (seen on an AMD EPYC); a wrong
+        # resume (fresh LoRA or optimizer, another batch) moves it by orders of magnitude more
+        assert g[key] == pytest.approx(w[key], rel=1e-4), g["step"]
         assert g["lr"] == pytest.approx(w["lr"], rel=1e-12)
 
 
