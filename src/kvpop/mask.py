@@ -245,12 +245,20 @@ _FLEX = None
 
 
 def _flex(query, key, value, leave, pos, scale):
-    """CUDA path: FlexAttention with a ``mask_mod`` reading the leave steps (same rule as ``visibility``)."""
+    """CUDA path: FlexAttention with a ``mask_mod`` reading the leave steps (same rule as ``visibility``).
+
+    Compiled on CUDA only: torch 2.13's compiled CPU kernel returned NaN or wrong rows on some calls
+    (seen on an AMD EPYC, 4 of 6 random inputs; eager flex_attention matched sdpa on all 6), so
+    elsewhere it runs eager, which is exact and only slower."""
     global _FLEX
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, dynamic=False)
+    if not query.is_cuda:
+        fn = flex_attention
+    else:
+        if _FLEX is None:
+            _FLEX = torch.compile(flex_attention, dynamic=False)
+        fn = _FLEX
     b, hq, S, _ = query.shape
     g = hq // key.shape[1]
 
@@ -259,7 +267,7 @@ def _flex(query, key, value, leave, pos, scale):
         return ((lk >= 0) & (lk <= lq) & (lq < leave[bi, hi // g, ki])) | (qi == ki)
 
     block_mask = create_block_mask(mask_mod, B=b, H=hq, Q_LEN=S, KV_LEN=S, device=query.device)
-    return _FLEX(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=g > 1)
+    return fn(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=g > 1)
 
 
 def _takes_queries(fn) -> bool:
