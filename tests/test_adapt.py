@@ -528,3 +528,64 @@ def test_adapt_on_a_hybrid_model(tmp_path, docs, joint):
     out = model.generate(input_ids=IDS[:, :48], **kvpop.compat.cache_kwargs(cache), max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 52)
     assert [tuple(layer.keys.shape[-2:]) for layer in cache.layers if hasattr(layer, "policy_layer")] == [(24, 16)] * 2
+
+
+def test_from_bundle_continues_a_run_whose_state_is_lost(tmp_path, docs, scorer_path, monkeypatch):
+    """--from-bundle: a bundle the run wrote at step 2 continues it at step 3 (the bundle's LoRA
+    weights, the schedule where it was, the same data), with fresh optimizer moments, recorded; the
+    validation baseline is read from the bundle's summary.json when that matches, not recomputed."""
+    import shutil
+
+    from kvpop.adapt import quality as adapt_quality
+    from kvpop.adapt.restart import BundleStart, load_bundle_weights
+    from kvpop.files import write_json
+
+    tok = tiny_tokenizer()
+    full = adapt(_cfg(tmp_path / "full", docs, scorer_path, steps=4), tiny_model("llama"), tok)
+    adapt(_cfg(tmp_path / "lost", docs, scorer_path, steps=4, stop_after=2), tiny_model("llama"), tok)
+    bundle = tmp_path / "step2"
+    shutil.copytree(tmp_path / "lost" / "adapter", bundle)
+    assert read_bundle_meta(bundle)["meta"]["steps"] == 2
+
+    # the weights: a fresh LoRA model given the bundle's weights computes what load_adapter_bundle gives
+    cfg = _cfg(tmp_path / "x", docs, scorer_path, steps=4)
+    student, _ = prepare_model(cfg, tiny_model("llama"))
+    assert load_bundle_weights(student, BundleStart(bundle, 2, None)) == sum(
+        p.requires_grad for p in student.parameters())
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    ref = load_adapter_bundle(tiny_model("llama"), bundle).model
+    torch.testing.assert_close(_logits(student, ids), _logits(ref, ids))
+    other, _ = prepare_model(cfg, tiny_model("llama", seed=5))  # same shapes, other base weights
+    with pytest.raises(ValueError, match="another base model"):
+        load_bundle_weights(other, BundleStart(bundle, 2, None))
+
+    s = adapt(_cfg(tmp_path / "again", docs, scorer_path, steps=4, from_bundle=str(bundle)), tiny_model("llama"), tok)
+    assert [h["step"] for h in s["history"]] == [3, 4]
+    assert [h["lr"] for h in s["history"]] == pytest.approx([h["lr"] for h in full["history"][2:]], rel=1e-9)
+    assert [h["budget"] for h in s["history"]] == [h["budget"] for h in full["history"][2:]]
+    assert s["restarts"] == [{"from_bundle": str(bundle), "step": 2, "optimizer": "AdamW moments reset to zero",
+                              "baseline": "recomputed"}]  # fmt: skip
+    # once the run has its own state, a rerun resumes from that (the bundle is not read again)
+    s2 = adapt(_cfg(tmp_path / "again", docs, scorer_path, steps=4, from_bundle=str(bundle)), tiny_model("llama"), tok)
+    assert s2["restarts"] == s["restarts"] and [h["step"] for h in s2["history"]] == [3, 4]
+
+    # a stored baseline with the same validation settings is reused
+    cfg_val = _cfg(tmp_path / "v", docs, scorer_path, steps=4, val_docs=1, from_bundle=str(bundle))
+    stored = {"24": {"retention": 0.5}, "mean_retention": 0.5}
+    write_json(bundle / "summary.json", {"config": json.loads(json.dumps(vars(cfg_val), default=list)),
+                                         "baseline": stored})  # fmt: skip
+    calls = []
+    monkeypatch.setattr(adapt_quality.AdaptProbe, "baseline", lambda self, scorer: calls.append(1) or {})
+    s3 = adapt(cfg_val, tiny_model("llama"), tok)
+    assert calls == [] and s3["baseline"] == stored and s3["restarts"][0]["baseline"] == "from the bundle's summary.json"
+
+
+@pytest.mark.parametrize("change,needle", [({"lora_r": 2}, "adapter"), ({"seq_len": 48}, "seq_len"),
+                                          ({"steps": 2}, "nothing to train"), ({"lam": 0.01}, "trained_for")])  # fmt: skip
+def test_from_bundle_refuses_another_run(tmp_path, docs, scorer_path, change, needle):
+    adapt(_cfg(tmp_path / "run", docs, scorer_path, steps=4, stop_after=2), tiny_model("llama"), tiny_tokenizer())
+    cfg = _cfg(tmp_path / "new", docs, scorer_path, steps=4, from_bundle=str(tmp_path / "run" / "adapter"))
+    for key, value in change.items():
+        setattr(cfg, key, value)
+    with pytest.raises(ValueError, match=needle):
+        adapt(cfg, model=None)  # refused before any model is loaded

@@ -52,6 +52,10 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="recompute layer activations in backward (CPU only): SmolLM2 at --seq-len 4096 peaks near "
                         "6 GB per process instead of ~11 GB, for ~20%% more time per step")  # fmt: skip
     p.add_argument("--scorer-loss", choices=["boundary", "mse"], default=d.scorer_loss)
+    p.add_argument("--from-bundle", default=None, metavar="DIR",
+                   help="continue this run from a bundle it wrote (e.g. its adapter/ or a shipped copy) when --out "
+                        "has no train_state.pt: the bundle's LoRA weights and step, fresh optimizer moments; the "
+                        "other settings must be the run's own")  # fmt: skip
     return p
 
 

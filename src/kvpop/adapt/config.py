@@ -80,6 +80,9 @@ class AdaptConfig(RunSettings):
     check_sync: bool = False  # DDP test aid: assert identical weights on all ranks after each step
     progress: bool = True
     extra: dict = field(default_factory=dict)
+    # a bundle this run wrote at some step: with no train_state.pt in ``out``, the run continues from that
+    # step with the bundle's LoRA weights and fresh optimizer moments (kvpop.adapt.restart); not a resume key
+    from_bundle: str | None = None
 
     @classmethod
     def from_saved(cls, saved: dict, **overrides) -> AdaptConfig:
@@ -232,6 +235,8 @@ class AdaptConfig(RunSettings):
             raise ValueError(f"lora_alpha must be > 0, got {self.lora_alpha}")
         if not self.full_finetune and not self.lora_targets:
             raise ValueError("lora_targets must name at least one module")
+        if self.from_bundle is not None and not Path(self.from_bundle).is_dir():
+            raise ValueError(f"from_bundle {self.from_bundle} is not a folder (an adapter bundle kvpop adapt wrote)")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"stop_after must be >= 1, got {self.stop_after}")
         if not self.docs_from:

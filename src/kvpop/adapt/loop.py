@@ -35,7 +35,9 @@ from __future__ import annotations
 import copy
 import json
 import resource
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -53,6 +55,7 @@ from ..train.data import Example, SequenceSource, capture_example
 from ..train.labels import labels_for, layer_loss
 from .config import AdaptConfig
 from .quality import AdaptProbe
+from .restart import BundleStart, bundle_start, load_bundle_weights
 
 FULL_META_FILE = "kvpop_full.json"
 
@@ -296,7 +299,8 @@ class Adaptation:
     (and, ``joint``, the boundary loss into the scorer), validation against the base model's dense
     outputs, adapter bundles as checkpoints."""
 
-    def __init__(self, run: Run, cfg: AdaptConfig, model, tokenizer, scorer, blob: dict | None) -> None:
+    def __init__(self, run: Run, cfg: AdaptConfig, model, tokenizer, scorer, blob: dict | None,
+                 start: BundleStart | None = None) -> None:
         self.run, self.cfg, self.tokenizer, self.scorer = run, cfg, tokenizer, scorer
         self.device = torch.device(cfg.device)
         if run.rank == 0:
@@ -312,12 +316,16 @@ class Adaptation:
             self.s_sched = cosine_schedule(self.s_opt, cfg.steps)
         if cfg.gradient_checkpointing:
             enable_checkpointing(self.model)
+        self.restarts: list[dict] = list(blob.get("restarts") or []) if blob is not None else []
+        if blob is None and start is not None:
+            self._start_from(start)
         self.probe, self.baseline = None, None
         if run.rank == 0 and cfg.val_docs:
             self.probe = AdaptProbe(self.model, tokenizer, cfg, frozen=self.frozen)
             # where the run starts from: the base model under the mask's policy with the scorer as loaded
-            self.baseline = blob["baseline"] if blob is not None and blob.get("baseline") else \
-                self.probe.baseline(scorer)  # fmt: skip
+            stored = blob.get("baseline") if blob is not None else start.baseline if start is not None else None
+            self.baseline = stored if stored else self.probe.baseline(scorer) if start is None else \
+                self._baseline_without_adapter(scorer)  # fmt: skip
         self.validates = self.probe is not None
         if blob is not None:
             self._restore(blob)
@@ -346,6 +354,30 @@ class Adaptation:
             self.s_opt.load_state_dict(blob["scorer_optimizer"])
             self.s_sched.load_state_dict(blob["scorer_scheduler"])
         self.run.restore(blob)
+
+    def _start_from(self, start: BundleStart) -> None:
+        """The bundle's LoRA weights (and, joint, its scorer), the schedule and step at ``start.step``;
+        the optimizer moments stay fresh (see :mod:`kvpop.adapt.restart`)."""
+        load_bundle_weights(self.model, start)
+        if self.train_scorer:
+            bundled, _ = load_scorer(start.path / SCORER_FILE)
+            self.scorer.load_state_dict(bundled.state_dict())
+        with warnings.catch_warnings():  # the schedule advances without optimizer steps, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(start.step):
+                self.sched.step()
+                if self.s_sched is not None:
+                    self.s_sched.step()
+        self.run.step = start.step
+        self.restarts.append(start.record())
+        if self.run.rank == 0 and self.cfg.progress:
+            print(f"[kvpop adapt] continuing from step {start.step} of {start.path} (its LoRA weights; the optimizer "
+                  "moments start from zero)", file=sys.stderr)  # fmt: skip
+
+    def _baseline_without_adapter(self, scorer) -> dict:
+        """The un-adapted baseline of a run that starts from a bundle: measured with the adapter off."""
+        with base_model(self.model, self.frozen):
+            return self.probe.baseline(scorer)
 
     def synced(self) -> list[torch.Tensor]:
         return self.params + (list(self.scorer.parameters()) if self.scorer is not None else [])
@@ -428,7 +460,7 @@ class Adaptation:
             scorer=self.scorer.state_dict() if self.scorer is not None else None,
             scorer_optimizer=self.s_opt.state_dict() if train_scorer else None,
             scorer_scheduler=self.s_sched.state_dict() if train_scorer else None,
-            baseline=self.baseline,
+            baseline=self.baseline, restarts=self.restarts,
         )  # fmt: skip
         try:
             atomic_write(run.state_file, lambda tmp: torch.save(state, tmp))
@@ -447,6 +479,10 @@ def adapt(cfg: AdaptConfig, model=None, tokenizer=None) -> dict:
     cfg.validate()
     run = Run("adapt", cfg, cfg.out)
     blob = run.saved_state()
+    # a bundle to continue from is checked before the model loads; a run with its own state resumes from that
+    start = bundle_start(cfg) if cfg.from_bundle and blob is None else None
+    if cfg.from_bundle and blob is not None and run.rank == 0 and cfg.progress:
+        print(f"[kvpop adapt] {run.state_file} exists: resuming from it, not from --from-bundle", file=sys.stderr)
     run.prepare_folder()  # before the model loads: an unwritable --out is an error, not a traceback later
     if model is None:
         model, tokenizer = models.load_model(cfg.model, progress=False)
@@ -460,9 +496,11 @@ def adapt(cfg: AdaptConfig, model=None, tokenizer=None) -> dict:
     if cfg.mask == "kvpop":
         scorer, _ = load_scorer(cfg.scorer, model=model)  # refuses a scorer trained for another model
         scorer = scorer.to(cfg.device).eval()
-    program = Adaptation(run, cfg, model, tokenizer, scorer, blob)
+    program = Adaptation(run, cfg, model, tokenizer, scorer, blob, start)
     run.loop(program, desc=f"adapt ({cfg.mask})")
     extra = {"base_fingerprint": fingerprint}
+    if program.restarts:
+        extra["restarts"] = program.restarts
     if program.baseline is not None:
         extra["baseline"] = program.baseline
     return run.summary({"seconds_by_part": program.seconds, "peak_rss_mib": peak_rss_mib()}, cfg.trained_for(), extra)
