@@ -15,7 +15,7 @@ from kvpop.testing.reference import MaskedReference
 warnings.filterwarnings("ignore", category=FutureWarning)
 BASE_POLICIES = ["streaming", "tova", "h2o", "snapkv", "knorm", "random"]
 # "+": position-free keys, observed-attention inputs (three observation windows) and a recency tilt
-ALL_POLICIES = BASE_POLICIES + ["kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+"]
+ALL_POLICIES = BASE_POLICIES + ["kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+", "kvpop-mlpx"]
 
 
 # bfloat16 (what the GPU bench runs) next to float32: (dtype, layers, tolerance). In bfloat16 one layer,
@@ -28,7 +28,8 @@ DTYPES = {"float32": (torch.float32, 2, 1e-4), "bfloat16": (torch.bfloat16, 1, 1
 def _policy(name, model):
     """A fresh policy instance; learned ones get a seeded random-init scorer for the tiny model."""
     if name.startswith("kvpop"):
-        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith("+"))
+        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith(("+", "x")),
+                                     cross_heads=name.endswith("x"))
     return get_policy(name)
 
 

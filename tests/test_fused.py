@@ -14,7 +14,8 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 def _policy(name, model):
     if name.startswith("kvpop"):
-        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith("+"))
+        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith(("+", "x")),
+                                     cross_heads=name.endswith("x"))
     return name
 
 
@@ -37,7 +38,8 @@ DTYPES = {"float32": (torch.float32, 2, 1e-5), "bfloat16": (torch.bfloat16, 1, 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "knorm", "random", "kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+"])
+@pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "knorm", "random", "kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+",
+                                    "kvpop-mlpx"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_steady_path_equals_general_decode(policy, batch, dtype):
     """Same logits, same held tokens, same priorities and scorer state with and without the fused steady path."""
@@ -66,8 +68,8 @@ def _assert_same_layers(a, b, rtol, atol):
 
 def test_decode_scores_equal_step_and_read():
     model = tiny_model("qwen3", num_hidden_layers=1)
-    for kind in ("mlstm", "mlp"):
-        scorer = random_learned_policy(model, kind, extra=True).scorer
+    for kind in ("mlstm", "mlp", "mlp-cross-heads"):
+        scorer = random_learned_policy(model, kind.split("-")[0], extra=True, cross_heads="cross" in kind).scorer
         g = torch.Generator().manual_seed(1)
         k_new, v_new, k_rd, v_rd = (torch.randn(2, 2, 1, 16, generator=g) for _ in range(4))
         obs = torch.rand(2, 2, 1, 3, generator=g)

@@ -23,7 +23,7 @@ from kvpop.testing.reference import MaskedReference
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 # every policy (kvpop.policy_names() but dense, which is no KVpop cache), the learned ones with their extra inputs too
-POLICIES = [p for p in kvpop.policy_names() if p != "dense"] + ["kvpop+", "kvpop-mlp+"]
+POLICIES = [p for p in kvpop.policy_names() if p != "dense"] + ["kvpop+", "kvpop-mlp+", "kvpop-mlpx"]
 # Gemma 3 (sliding, full, sliding, full; window 8) and Qwen2 with its last two of four layers sliding
 HYBRIDS = {"gemma3": {}, "qwen2": {"num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 8,
                                    "max_window_layers": 2}}  # fmt: skip
@@ -39,7 +39,8 @@ def _policy(name, model, ids=None):
     if name == "oracle":
         return OraclePolicy([c.target for c in collect(model, ids, window=KW["window"])])
     if name.startswith("kvpop"):
-        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith("+"))
+        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith(("+", "x")),
+                                     cross_heads=name.endswith("x"))
     return get_policy(name)
 
 

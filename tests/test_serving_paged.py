@@ -84,7 +84,8 @@ class Engine:
 
 def _policy(name, model):
     if name.startswith("kvpop"):
-        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith("+"))
+        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith(("+", "x")),
+                                     cross_heads=name.endswith("x"))
     return get_policy(name)
 
 
@@ -129,7 +130,7 @@ def _run_engine(model, policy, eviction, requests, seed):
     return eng, pages, [torch.cat(x) for x in logits]
 
 
-@pytest.mark.parametrize("policy", ["streaming", "h2o", "kvpop", "kvpop-mlp", "kvpop+"])
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlpx"])
 def test_paged_engine_equals_kvpop_cache_per_request(policy):
     model = tiny_model(num_hidden_layers=2)
     pol = _policy(policy, model)

@@ -176,6 +176,8 @@ def test_bad_config_fails_before_loading(tmp_path):
         _cfg(tmp_path, tmp_path, docs_from=None, corpora=("nope",)).validate()
     with pytest.raises(ValueError, match="capture_only needs a store"):
         _cfg(tmp_path, tmp_path, capture_only=True).validate()
+    with pytest.raises(ValueError, match="cross_heads is an MLP option"):
+        _cfg(tmp_path, tmp_path, scorer="mlstm", cross_heads=True).validate()
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="not available"):
             _cfg(tmp_path, tmp_path, device="cuda").validate()
@@ -325,3 +327,29 @@ def test_validation_baseline_is_shared_through_a_cache_folder(tmp_path, docs, mo
     assert "streaming" not in calls  # read back, not rerun
     v1, v2 = first["history"][-1]["val"]["24"], second["history"][-1]["val"]["24"]
     assert v1["streaming"] == v2["streaming"] and v1["retention"] == pytest.approx(v2["retention"], rel=1e-6)
+
+
+def test_cross_heads_scorer_trains_and_reads_every_head(tmp_path, docs):
+    """--cross-heads: the MLP's input is the token's features in all KV heads of the layer, so changing one
+    head's key changes every head's score (not only its own, as without the option); the run trains, resumes
+    and saves a scorer a cache loads with the option on."""
+    from kvpop.train.loop import build_run_scorer
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    summary = train(_cfg(tmp_path, docs, scorer="mlp", cross_heads=True, val_docs=0), model, tok)
+    assert all(torch.isfinite(torch.tensor([h["loss"] for h in summary["history"]])))
+    scorer, _ = load_scorer(tmp_path / "scorer.safetensors", model=model)
+    assert scorer.config.cross_heads and scorer[0].w1.shape[1] == 2 * (2 * 16 + 2 + 3)  # 2 heads x (k, v, norms, obs)
+    for cross in (True, False):
+        s = build_run_scorer(_cfg(tmp_path, docs, scorer="mlp", cross_heads=cross), model)
+        g = torch.Generator().manual_seed(0)
+        k, v = torch.randn(1, 2, 5, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g)
+        obs = torch.rand(1, 2, 5, 3, generator=g)
+        a = s.forward_layer(0, k, v, 8, observed=obs)
+        k2 = k.clone()
+        k2[:, 0] += 1.0
+        b = s.forward_layer(0, k2, v, 8, observed=obs)
+        assert not torch.allclose(a[:, 0], b[:, 0])
+        assert torch.allclose(a[:, 1], b[:, 1]) is (not cross)
+    with pytest.raises(ValueError, match="cross_heads"):
+        train(_cfg(tmp_path, docs, scorer="mlp", val_docs=0), model, tok)  # the run was made with cross_heads

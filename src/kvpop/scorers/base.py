@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BaseScorer", "ScorerConfig", "feature_dim", "head_linear", "kv_features"]
+__all__ = ["BaseScorer", "ScorerConfig", "across_heads", "feature_dim", "head_linear", "kv_features"]
 
 
 @dataclass
@@ -58,6 +58,10 @@ class ScorerConfig:
                   extra input, as the log mean attention per query; () = keys and values only.
     tilt:         a learned per-head recency tilt ``lam_h * t`` added to the score
                   (``lam_h = softplus(theta_h) / 1000``, per token).
+    cross_heads:  MLP: each KV head's network reads the exiting token's features in every KV head
+                  of the layer (its keys, values and observed attention there), not only its own:
+                  a token leaves the window at the same position in all heads, and together the
+                  heads' keys and values carry most of the layer's hidden state (``across_heads``).
     """
 
     kind: Literal["mlp", "mlstm"] = "mlstm"
@@ -79,6 +83,7 @@ class ScorerConfig:
     rope_scaling: float = 1.0
     observed: tuple[int | None, ...] = ()
     tilt: bool = False
+    cross_heads: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ("mlp", "mlstm"):
@@ -92,6 +97,8 @@ class ScorerConfig:
             raise ValueError("ScorerConfig.hidden must be >= 0")
         if self.kind == "mlp" and self.hidden < 1:
             raise ValueError("ScorerConfig.hidden must be >= 1 for kind 'mlp'")
+        if self.cross_heads and self.kind != "mlp":
+            raise ValueError("ScorerConfig.cross_heads is a kind 'mlp' option (the mLSTM reads each head's own stream)")
         self.forget_bias = tuple(float(x) for x in self.forget_bias)  # type: ignore[assignment]
         self.observed = tuple(None if o is None else int(o) for o in self.observed)  # type: ignore[assignment]
         if any(o is not None and o < 1 for o in self.observed):
@@ -142,6 +149,13 @@ def kv_features(k: Tensor, v: Tensor, input_norm: bool = True, eps: float = 1e-6
     ms = (x * x).sum(dim=-1, keepdim=True).mul_(1.0 / x.shape[-1]).add_(eps)  # (mean is slower)
     x = x * torch.rsqrt(ms)
     return torch.cat([x.flatten(-2), torch.log(ms).mul_(0.5).flatten(-2)], dim=-1)
+
+
+def across_heads(x: Tensor) -> Tensor:
+    """[b, h, T, I] per-head features -> [b, h, T, h * I]: every head gets all heads' features of
+    the same token, in head order (the cross-head input of ``ScorerConfig.cross_heads``)."""
+    b, h, T, i = x.shape
+    return x.transpose(1, 2).reshape(b, 1, T, h * i).expand(b, h, T, h * i)
 
 
 def head_linear(x: Tensor, w: Tensor, b: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..observed import observed_features
 from ..rope import unrotate
-from .base import head_linear, kv_features
+from .base import across_heads, head_linear, kv_features
 from .mlstm import mlstm_step
 
 __all__ = ["DecodeSpec", "decode_params", "decode_scores", "decode_spec"]
@@ -47,6 +47,7 @@ class DecodeSpec:
     window: int | None  # the protected window the observed statistics were summed over
     obs_windows: tuple[int | None, ...]  # the scorer's observation windows (empty: no observed inputs)
     tilt: bool
+    cross_heads: bool = False
 
 
 def decode_spec(stack, window: int | None) -> DecodeSpec:
@@ -71,6 +72,7 @@ def decode_spec(stack, window: int | None) -> DecodeSpec:
         window=window,
         obs_windows=tuple(cfg.observed),
         tilt=cfg.tilt,
+        cross_heads=cfg.cross_heads,
     )
 
 
@@ -118,6 +120,8 @@ def decode_scores(spec: DecodeSpec, params: tuple, state, k_new: Tensor, v_new: 
         w1, b1, w2, b2 = params[:4]
         if extra is not None:
             feats = torch.cat([feats, extra.unsqueeze(2)], -1)
+        if spec.cross_heads:
+            feats = across_heads(feats)
         hdn = F.silu(head_linear(feats, w1, b1)).squeeze(2)  # [b, h, hidden]
         scores = (hdn * w2.squeeze(-1)).sum(-1) + b2
     if spec.tilt:

@@ -1,4 +1,5 @@
-"""KVpop-MLP: stateless per-KV-head scorer, r_hat(t) = MLP([k_t ; v_t]).
+"""KVpop-MLP: stateless per-KV-head scorer, r_hat(t) = MLP([k_t ; v_t]) (with ``cross_heads``: the
+token's features in every KV head of the layer).
 
 Per head: x_t (see ``kv_features``, 2*head_dim+2 dims) -> Linear(hidden) -> SiLU -> Linear(1).
 All heads of one layer are evaluated at once with batched matmuls (weights have a
@@ -13,7 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import BaseScorer, ScorerConfig, feature_dim, head_linear, kv_features, normal_init_, seeded_generator
+from .base import (
+    BaseScorer,
+    ScorerConfig,
+    across_heads,
+    feature_dim,
+    head_linear,
+    kv_features,
+    normal_init_,
+    seeded_generator,
+)
 
 __all__ = ["KVpopMLP"]
 
@@ -27,7 +37,7 @@ class KVpopMLP(BaseScorer):
     is_stateful = False
 
     def __init__(self, kv_heads: int, head_dim: int, hidden: int = 64, *, input_norm: bool = True,
-                 eps: float = 1e-6, seed: int = 0, n_extra: int = 0) -> None:
+                 eps: float = 1e-6, seed: int = 0, n_extra: int = 0, cross_heads: bool = False) -> None:
         super().__init__()
         self.kv_heads = int(kv_heads)
         self.head_dim = int(head_dim)
@@ -35,7 +45,10 @@ class KVpopMLP(BaseScorer):
         self.input_norm = bool(input_norm)
         self.eps = float(eps)
         self.n_extra = int(n_extra)
+        self.cross_heads = bool(cross_heads)
         din = feature_dim(self.head_dim, self.input_norm) + self.n_extra
+        if self.cross_heads:
+            din *= self.kv_heads
         self.in_dim = din
         H = self.kv_heads
         self.w1 = nn.Parameter(torch.empty(H, din, self.hidden))
@@ -47,7 +60,8 @@ class KVpopMLP(BaseScorer):
     @classmethod
     def from_config(cls, config: ScorerConfig, layer_idx: int = 0) -> KVpopMLP:
         return cls(config.kv_heads, config.head_dim, config.hidden, input_norm=config.input_norm,
-                   eps=config.eps, seed=config.seed + layer_idx, n_extra=config.n_extra)
+                   eps=config.eps, seed=config.seed + layer_idx, n_extra=config.n_extra,
+                   cross_heads=config.cross_heads)
 
     def reset_parameters(self, seed: int = 0) -> None:
         g = seeded_generator(seed)
@@ -63,6 +77,8 @@ class KVpopMLP(BaseScorer):
         self._check_kv(k, v)
         x = kv_features(k, v, self.input_norm, self.eps, dtype=self.w1.dtype)
         x = self._with_extra(x, extra)
+        if self.cross_heads:
+            x = across_heads(x)
         hdn = F.silu(head_linear(x, self.w1, self.b1))
         return head_linear(hdn, self.w2, self.b2.unsqueeze(-1)).squeeze(-1)
 
@@ -89,4 +105,4 @@ class KVpopMLP(BaseScorer):
 
     def extra_repr(self) -> str:
         return (f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, hidden={self.hidden}, "
-                f"input_norm={self.input_norm}")
+                f"input_norm={self.input_norm}, cross_heads={self.cross_heads}")

@@ -125,9 +125,10 @@ def compile_unavailable(reason: str) -> None:
     pytest.skip(f"no working compiler here: {reason}")
 
 
-def random_learned_policy(model, kind: str = "mlstm", extra: bool = False, seed: int = 7):
+def random_learned_policy(model, kind: str = "mlstm", extra: bool = False, seed: int = 7, cross_heads: bool = False):
     """A ``LearnedPolicy`` with a seeded random-init scorer for ``model`` (tests). ``extra``: the
-    scorer also undoes RoPE, reads observed attention (windows None, 4, 1) and has a random tilt."""
+    scorer also undoes RoPE, reads observed attention (windows None, 4, 1) and has a random tilt;
+    ``cross_heads`` (MLP): each head reads every KV head's features of the token."""
     from ..config import attention_shape
     from ..policies import LearnedPolicy
     from ..rope import RopeSpec
@@ -136,7 +137,7 @@ def random_learned_policy(model, kind: str = "mlstm", extra: bool = False, seed:
     text = model.config
     cfg = ScorerConfig(kind=kind, num_layers=len(attention_shape(text).bounded), kv_heads=text.num_key_value_heads,
                        head_dim=text.head_dim, seed=seed, position_free=extra,
-                       observed=(None, 4, 1) if extra else (), tilt=extra)
+                       observed=(None, 4, 1) if extra else (), tilt=extra, cross_heads=cross_heads)
     scorer = build_scorer(cfg)
     if extra:
         scorer.set_rope(RopeSpec.from_config(text))

@@ -46,6 +46,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--no-position-free", dest="position_free", action="store_false",
                    help="feed post-RoPE keys (default: undo RoPE)")  # fmt: skip
     p.add_argument("--no-tilt", dest="tilt", action="store_false", help="no learned per-head recency tilt")
+    p.add_argument("--cross-heads", action="store_true",
+                   help="MLP: each KV head's network reads the exiting token's keys, values and observed attention "
+                        "in every KV head of its layer (default: its own head's only)")  # fmt: skip
     p.add_argument("--extra-windows", type=ints, default=(), help="also capture targets for these windows (store)")
     p.add_argument("--loss", choices=["boundary", "mse"], default=d.loss)
     p.add_argument("--store", default=None, help="capture store folder: captures are kept there and reused")

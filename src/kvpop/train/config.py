@@ -20,7 +20,7 @@ TRAIN_CORPORA = ("shakespeare", "wikipedia", "python_docs", "human_eval", "perl_
 
 # Fields that change what a checkpoint means: a resumed run must agree on them.
 RESUME_KEYS = ("scorer", "seq_len", "budgets", "budget_range", "windows_per_octave", "windows_per_sequence", "window", "window_fraction", "sinks", "lam", "loss", "weighting",
-               "lr", "hidden", "dk", "dv", "position_free", "observed", "tilt", "corpora", "docs_from", "seed",
+               "lr", "hidden", "dk", "dv", "position_free", "observed", "tilt", "cross_heads", "corpora", "docs_from", "seed",
                "steps", "batch_size", "cycle")
 
 
@@ -63,6 +63,7 @@ class TrainConfig(RunSettings):
     position_free: bool = True  # undo RoPE on the keys the scorer sees
     observed: tuple[int | None, ...] = (None, 32, 1)  # observed-attention inputs (() = keys and values only)
     tilt: bool = True  # learned per-head recency tilt
+    cross_heads: bool = False  # MLP: each head reads the token's features in all KV heads of its layer
     store: str | None = None  # capture store folder (None: capture every sequence on the fly, keep nothing)
     cycle: int = 0  # >0: step sequences cycle over the first `cycle` of the stream (sweeps over a filled store)
     capture_only: bool = False  # fill the store and stop (no scorer training)
@@ -165,11 +166,16 @@ class TrainConfig(RunSettings):
 
     def resume_view(self) -> dict:
         d = asdict(self)
-        return {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in RESUME_KEYS}
+        view = {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in RESUME_KEYS}
+        if not view["cross_heads"]:  # runs from before the option resume as they always did
+            del view["cross_heads"]
+        return view
 
     def validate(self) -> None:
         if self.scorer not in ("mlp", "mlstm"):
             raise ValueError(f"scorer must be 'mlp' or 'mlstm', got {self.scorer!r}")
+        if self.cross_heads and self.scorer != "mlp":
+            raise ValueError("cross_heads is an MLP option (--kind mlp); the mLSTM reads each head's own stream")
         if self.loss not in ("boundary", "mse"):
             raise ValueError(f"loss must be 'boundary' or 'mse', got {self.loss!r}")
         if self.weighting not in ("uniform", "mass"):

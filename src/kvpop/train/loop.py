@@ -49,7 +49,7 @@ def build_run_scorer(cfg: TrainConfig, model) -> ScorerStack:
     scfg = ScorerConfig(
         kind=cfg.scorer, num_layers=len(shape.bounded), kv_heads=shape.kv_heads, head_dim=shape.head_dim,
         hidden=cfg.hidden, dk=cfg.dk, dv=cfg.dv, seed=cfg.seed, position_free=cfg.position_free,
-        observed=cfg.observed, tilt=cfg.tilt,
+        observed=cfg.observed, tilt=cfg.tilt, cross_heads=cfg.cross_heads,
     )  # fmt: skip
     scorer = build_scorer(scfg)
     if cfg.position_free:
