@@ -21,7 +21,7 @@ def validations(summary: dict) -> list[dict]:
     """Every validation a summary records (a run's history, or a shipped scorer's ``validation_retention``)."""
     if "validation_retention" in summary:
         return list(summary["validation_retention"])
-    return [h["val"] for h in summary.get("history", []) if "val" in h]
+    return [{"step": h["step"], **h["val"]} for h in summary.get("history", []) if "val" in h]
 
 
 def pick(spec: str) -> tuple[str, dict]:
