@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -45,6 +46,7 @@ __all__ = [
     "lora_config",
     "read_bundle_meta",
     "save_adapter_bundle",
+    "set_adapter_weights",
     "teacher_mode",
 ]
 
@@ -115,6 +117,15 @@ def add_lora(model, config=None):
         raise TypeError("model already carries a peft adapter")
     with quiet_peft_wrap():
         return _peft().get_peft_model(model, config if config is not None else lora_config())
+
+
+def set_adapter_weights(peft_model, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Copy saved adapter weights (the names of ``adapter_model.safetensors``) into ``peft_model``'s active
+    adapter (peft's ``set_peft_model_state_dict``, its warnings silenced); returns the keys it had no place for."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = _peft().set_peft_model_state_dict(peft_model, tensors)
+    return list(getattr(result, "unexpected_keys", []) or [])
 
 
 @contextlib.contextmanager

@@ -15,13 +15,12 @@ same validation windows and budgets (``scripts/ship_adapter.py`` writes one), el
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..adapters import ADAPTER_FILES, base_fingerprint, check_adapter_bundle
+from ..adapters import ADAPTER_FILES, base_fingerprint, check_adapter_bundle, set_adapter_weights
 from ..checkpoint import fingerprint_diff, read_tensors
 from .config import AdaptConfig
 
@@ -97,17 +96,12 @@ def _stored_baseline(path: Path, cfg: AdaptConfig) -> dict | None:
 def load_bundle_weights(model, start: BundleStart) -> int:
     """Copy the bundle's LoRA weights into ``model`` (a peft model with a fresh adapter of the same
     shape) and check that every trainable weight now equals the bundle's. Returns how many were set."""
-    from peft import set_peft_model_state_dict
-
     diff = fingerprint_diff(check_adapter_bundle(start.path).get("fingerprint") or {}, base_fingerprint(model))
     if diff:
         raise ValueError(f"--from-bundle {start.path} was trained on another base model ({', '.join(sorted(diff))} "
                          "differ)")  # fmt: skip
     tensors = read_tensors(start.path / ADAPTER_FILES[1])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        result = set_peft_model_state_dict(model, tensors)
-    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    unexpected = set_adapter_weights(model, tensors)
     if unexpected:
         raise ValueError(f"--from-bundle {start.path}: weights this model has no place for ({unexpected[:3]} ...)")
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
