@@ -182,7 +182,7 @@ def test_adapt_runs_and_trains_lora_and_scorer(tmp_path, docs, scorer_path, join
     assert len(val) == 2 and 0 < val[-1]["24"]["retention"] and 0 < val[-1]["dense"]["retention"]
     # both tasks, per window (selection stays on lm: mean_retention is the lm mean, as in stored baselines)
     assert 0 < val[-1]["24"]["continuation"]["retention"] != val[-1]["24"]["retention"]
-    assert all(set(d) == {"corpus", "retention", "continuation"} for d in val[-1]["24"]["per_doc"])
+    assert all(set(d) == {"corpus", "retention", "continuation", "window", "sums"} for d in val[-1]["24"]["per_doc"])
     assert val[-1]["mean_retention"] == val[-1]["24"]["retention"]
     assert "24" in s["baseline"] and (tmp_path / "best" / "kvpop_adapter.json").is_file()
     assert read_bundle_meta(tmp_path / "best")["meta"]["steps"] == s["best"]["step"]
@@ -210,6 +210,37 @@ def test_validate_bundle_script_reproduces_the_runs_own_validation(tmp_path, doc
     bad = subprocess.run([sys.executable, str(script), str(run), str(tmp_path), "--out", str(out)],
                          check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode != 0 and "is not an adapter bundle" in bad.stderr
+
+
+def test_validate_bundle_shards_merge_to_the_unsharded_validation(tmp_path, docs, scorer_path):
+    """Windows split over processes (--shard 1/2, 2/2), then --merge: the same report as one pass, to
+    the last bit (every window's sums pooled in window order); a partial or overlapping set is refused."""
+    save_tiny_model(tmp_path / "base", seed=0)
+    run = tmp_path / "run"
+    adapt(_cfg(run, docs, scorer_path, model=str(tmp_path / "base"), steps=2, val_docs=3))
+    script = Path(__file__).resolve().parents[1] / "scripts" / "validate_bundle.py"
+
+    def call(*args):
+        return subprocess.run([sys.executable, str(script), *map(str, args)], check=False, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+
+    outs = {name: tmp_path / f"{name}.json" for name in ("all", "s1", "s2", "merged")}
+    for name, extra in (("all", []), ("s1", ["--shard", "1/2"]), ("s2", ["--shard", "2/2"])):
+        proc = call(run, run / "adapter", "--out", outs[name], *extra)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = call("--merge", outs["s2"], outs["s1"], "--out", outs["merged"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    whole, merged = (json.loads(outs[k].read_text())["validation"] for k in ("all", "merged"))
+    s1 = json.loads(outs["s1"].read_text())["validation"]
+    assert [r["window"] for r in s1["24"]["per_doc"]] == [0, 2]
+    assert merged == whole  # every metric, every window row, the dense rows and the mean
+    assert len(merged["24"]["per_doc"]) == 3 and merged["24"]["retention"] != s1["24"]["retention"]
+    bad = call("--merge", outs["s1"], "--out", outs["merged"])
+    assert bad.returncode != 0 and "not 1/2 .. 2/2" in bad.stderr
+    bad = call("--merge", outs["s1"], outs["all"], "--out", outs["merged"])
+    assert bad.returncode != 0 and "--shard I/N run" in bad.stderr
+    bad = call(run, run / "adapter", "--out", outs["merged"], "--shard", "3/2")
+    assert bad.returncode != 0 and "--shard" in bad.stderr
 
 
 def test_joint_diagnosis_scripts_read_the_run(tmp_path, docs, scorer_path):

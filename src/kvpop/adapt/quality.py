@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -31,7 +32,7 @@ from ..train.data import SequenceSource
 from ..train.quality import VALIDATION_SEED
 from .config import AdaptConfig
 
-__all__ = ["AdaptProbe", "Comparison", "compare_adapted"]
+__all__ = ["AdaptProbe", "Comparison", "compare_adapted", "merge_validations", "parse_shard"]
 
 
 def _metrics(sums: Sums) -> dict:
@@ -39,9 +40,65 @@ def _metrics(sums: Sums) -> dict:
     return {k: m[k] for k in ("retention", "kl", "top1_agreement", "ppl_dense", "ppl_policy", "n_tokens")}
 
 
-def _both_tasks(s: Scores, key: str) -> dict:
-    """lm metrics, ``continuation`` metrics and the per-document rows of one policy at one budget."""
-    return {**_metrics(s.lm()), "continuation": _metrics(s.continuation()), "per_doc": s.per_doc_rows(key)}
+def _both_tasks(s: Scores, key: str, windows: list[int] | None = None) -> dict:
+    """lm metrics, ``continuation`` metrics and the per-document rows of one policy at one budget.
+    With ``windows`` (the validation windows' indices) each row also keeps its index and its additive
+    sums, so that shards of a validation pool exactly (:func:`merge_validations`)."""
+    rows = s.per_doc_rows(key)
+    if windows is not None:
+        for row, j, d in zip(rows, windows, s.docs, strict=True):
+            row["window"] = j
+            row["sums"] = {"lm": asdict(d.lm), "continuation": asdict(d.continuation)}
+    return {**_metrics(s.lm()), "continuation": _metrics(s.continuation()), "per_doc": rows}
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"I/N"`` -> ``(I, N)`` with ``1 <= I <= N``."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"shard must be I/N (e.g. 1/2), got {text!r}") from None
+    if not 1 <= i <= n:
+        raise ValueError(f"shard must be I/N with 1 <= I <= N, got {text!r}")
+    return i, n
+
+
+def merge_validations(parts: list[dict]) -> dict:
+    """One validation from the validations of disjoint shards of the same windows (each made by an
+    :class:`AdaptProbe` with ``shard=``): every window's sums pooled in window order, so the result is
+    what one unsharded pass reports, to the last bit."""
+    if not parts:
+        raise ValueError("no validations to merge")
+    keys = {k for k in parts[0] if k not in ("mean_retention", "dense")}
+    if any({k for k in q if k not in ("mean_retention", "dense")} != keys for q in parts):
+        raise ValueError("the validations to merge were made at different budgets")
+    budgets = sorted(keys, key=int)
+    for q in parts:
+        for b in budgets:
+            if any("sums" not in r for r in q[b]["per_doc"]):
+                raise ValueError("a validation to merge has no per-window sums (made before validations kept them)")
+    seen = [r["window"] for q in parts for r in q[budgets[0]]["per_doc"]]
+    if len(seen) != len(set(seen)):
+        raise ValueError(f"the shards overlap: windows {sorted(j for j in set(seen) if seen.count(j) > 1)} twice")
+
+    def rows(get) -> list[dict]:
+        return sorted((r for q in parts for r in get(q)), key=lambda r: r["window"])
+
+    def pool(rs: list[dict], part: str) -> Sums:
+        return Sums.pool(Sums(**r["sums"][part]) for r in rs)
+
+    out: dict = {}
+    for b in budgets:
+        rs = rows(lambda q, b=b: q[b]["per_doc"])
+        out[b] = {**_metrics(pool(rs, "lm")), "continuation": _metrics(pool(rs, "continuation")), "per_doc": rs}
+    if all("dense" in q for q in parts):
+        rs = rows(lambda q: q["dense"]["per_doc"])
+        for b in budgets:
+            out[b]["dense_retention"] = pool(rs, b).retention
+        out["dense"] = {**_metrics(pool(rs, "all")), "per_doc": rs}
+    mean = sum(out[b]["retention"] for b in budgets) / len(budgets)
+    out["mean_retention"] = mean if math.isfinite(mean) else float("-inf")
+    return out
 
 
 class AdaptProbe:
@@ -49,13 +106,22 @@ class AdaptProbe:
 
     Each budget reports ``lm`` (the selection criterion: ``mean_retention`` is its mean over the
     budgets, as in every stored baseline) and ``continuation`` (the last ``S/16`` predictions of each
-    window, from the same passes), each with per-window values."""
+    window, from the same passes), each with per-window values and sums.
 
-    def __init__(self, model, tokenizer, cfg: AdaptConfig, frozen=None, n_docs: int | None = None) -> None:
+    ``shard=(I, N)``: only windows ``j`` with ``j % N == I - 1`` (the windows go round robin over the
+    corpora, so each shard spans them); :func:`merge_validations` pools the shards' reports into the
+    unsharded one, so a validation of an hour can run on several cores at once."""
+
+    def __init__(self, model, tokenizer, cfg: AdaptConfig, frozen=None, n_docs: int | None = None,
+                 shard: tuple[int, int] | None = None) -> None:  # fmt: skip
         self.model, self.frozen, self.cfg = model, frozen, cfg
         n = cfg.val_docs if n_docs is None else n_docs
+        i, k = (1, 1) if shard is None else shard
+        if not 1 <= i <= k:
+            raise ValueError(f"shard must be (I, N) with 1 <= I <= N, got {shard!r}")
+        self.windows = [j for j in range(n) if j % k == i - 1]
         source = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED)
-        self.probe = Probe([source.get(j) for j in range(n)], self._base_hidden)
+        self.probe = Probe([source.get(j) for j in self.windows], self._base_hidden)
 
     @torch.no_grad()
     def _base_hidden(self, ids: torch.Tensor) -> torch.Tensor:
@@ -78,12 +144,15 @@ class AdaptProbe:
             ev = cfg.eviction(b)
             label = f"validation B={b}" if cfg.progress else None
             s = self.probe.score(m, policy, b, window=ev.window, sinks=ev.sinks, lam=ev.lam, progress=label)
-            out[str(b)] = _both_tasks(s, "corpus")
+            out[str(b)] = _both_tasks(s, "corpus", self.windows)
         if dense:
             d: Scores = self.probe.score(m, None, 0, progress="validation dense" if cfg.progress else None)  # vs base
             for b in budgets:
                 out[str(b)]["dense_retention"] = d.lm(start=b).retention
-            out["dense"] = _metrics(d.lm())
+            rows = [{"corpus": label, "window": j, "sums": {"all": asdict(doc.lm),
+                                                             **{str(b): asdict(doc.sums(b)) for b in budgets}}}
+                    for label, j, doc in zip(d.labels, self.windows, d.docs, strict=True)]  # fmt: skip
+            out["dense"] = {**_metrics(d.lm()), "per_doc": rows}
         mean = sum(out[str(b)]["retention"] for b in budgets) / len(budgets)
         out["mean_retention"] = mean if math.isfinite(mean) else float("-inf")
         return out
