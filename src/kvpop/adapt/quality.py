@@ -149,8 +149,8 @@ class AdaptProbe:
             d: Scores = self.probe.score(m, None, 0, progress="validation dense" if cfg.progress else None)  # vs base
             for b in budgets:
                 out[str(b)]["dense_retention"] = d.lm(start=b).retention
-            rows = [{"corpus": label, "window": j, "sums": {"all": asdict(doc.lm),
-                                                             **{str(b): asdict(doc.sums(b)) for b in budgets}}}
+            rows = [{"corpus": label, "retention": doc.lm.retention, "continuation": doc.continuation.retention,
+                     "window": j, "sums": {"all": asdict(doc.lm), **{str(b): asdict(doc.sums(b)) for b in budgets}}}
                     for label, j, doc in zip(d.labels, self.windows, d.docs, strict=True)]  # fmt: skip
             out["dense"] = {**_metrics(d.lm()), "per_doc": rows}
         mean = sum(out[str(b)]["retention"] for b in budgets) / len(budgets)
