@@ -36,6 +36,8 @@ def main() -> None:
     p.add_argument("--command", required=True, help="the command that trained it")
     p.add_argument("--bundle", default=None, help="ship this bundle folder (a checkpoint of RUN) instead of RUN/<which>")
     p.add_argument("--validation", nargs="*", default=[], help="validate_bundle.py JSON files to record")
+    p.add_argument("--seconds-before", type=float, default=None,
+                   help="training seconds before the run's last --from-bundle restart (when it did not record them)")
     p.add_argument("--report", default=None, help="results.json of kvpop compare-adapted on the test splits")
     args = p.parse_args()
     run = Path(args.run)
@@ -48,7 +50,8 @@ def main() -> None:
     step = (meta.get("meta") or {}).get("steps")
     shipped = {
         "command": args.command,
-        "train_seconds": summary.get("seconds_this_process") if not args.bundle else _seconds_to(summary, step),
+        "train_seconds": (summary.get("seconds_this_process") if not args.bundle
+                          else _seconds_to(summary, step, args.seconds_before)),
         "tokens_seen": (meta.get("meta") or {}).get("tokens_seen", summary.get("tokens_seen")),
         "peak_rss_mib": summary.get("peak_rss_mib"),
         "best": summary.get("best"),
@@ -82,13 +85,25 @@ def _summary(run: Path) -> dict:
 
     state = torch.load(run / "train_state.pt", map_location="cpu", weights_only=False)
     return {"history": state.get("history", []), "baseline": state.get("baseline"), "best": state.get("best"),
-            "config": state.get("config"), "tokens_seen": None, "seconds_this_process": None}
+            "config": state.get("config"), "restarts": state.get("restarts"), "tokens_seen": None,
+            "seconds_this_process": None}
 
 
-def _seconds_to(summary: dict, step: int | None) -> float | None:
-    """Training seconds up to ``step`` (the sum of the per-step times in the history)."""
+def _seconds_to(summary: dict, step: int | None, before: float | None = None) -> float | None:
+    """Training seconds up to ``step``: the per-step times in the history, plus the steps before the
+    run's last restart from a bundle (its history starts there): ``before`` if given, else what the
+    restart recorded."""
     steps = [h for h in summary.get("history", []) if "seconds" in h and (step is None or h["step"] <= step)]
-    return round(sum(h["seconds"] for h in steps), 1) if steps else None
+    if not steps:
+        return None
+    restarts = [r for r in summary.get("restarts") or [] if step is None or r.get("step", 0) < step]
+    if before is None and restarts:
+        before = restarts[-1].get("train_seconds_before")
+        if before is None:
+            raise SystemExit(f"the run restarted from {restarts[-1].get('from_bundle')} at step "
+                             f"{restarts[-1].get('step')} without recording that bundle's training seconds: "
+                             "pass --seconds-before (its summary.json's train_seconds)")
+    return round(sum(h["seconds"] for h in steps) + (before or 0.0), 1)
 
 
 if __name__ == "__main__":

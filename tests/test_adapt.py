@@ -595,7 +595,7 @@ def test_from_bundle_continues_a_run_whose_state_is_lost(tmp_path, docs, scorer_
     assert [h["lr"] for h in s["history"]] == pytest.approx([h["lr"] for h in full["history"][2:]], rel=1e-9)
     assert [h["budget"] for h in s["history"]] == [h["budget"] for h in full["history"][2:]]
     assert s["restarts"] == [{"from_bundle": str(bundle), "step": 2, "optimizer": "AdamW moments reset to zero",
-                              "baseline": "recomputed"}]  # fmt: skip
+                              "baseline": "recomputed", "train_seconds_before": None}]  # fmt: skip
     # once the run has its own state, a rerun resumes from that (the bundle is not read again)
     s2 = adapt(_cfg(tmp_path / "again", docs, scorer_path, steps=4, from_bundle=str(bundle)), tiny_model("llama"), tok)
     assert s2["restarts"] == s["restarts"] and [h["step"] for h in s2["history"]] == [3, 4]
@@ -604,11 +604,19 @@ def test_from_bundle_continues_a_run_whose_state_is_lost(tmp_path, docs, scorer_
     cfg_val = _cfg(tmp_path / "v", docs, scorer_path, steps=4, val_docs=1, from_bundle=str(bundle))
     stored = {"24": {"retention": 0.5}, "mean_retention": 0.5}
     write_json(bundle / "summary.json", {"config": json.loads(json.dumps(vars(cfg_val), default=list)),
-                                         "baseline": stored})  # fmt: skip
+                                         "baseline": stored, "train_seconds": 12.5, "shipped_step": 2})  # fmt: skip
     calls = []
     monkeypatch.setattr(adapt_quality.AdaptProbe, "baseline", lambda self, scorer: calls.append(1) or {})
     s3 = adapt(cfg_val, tiny_model("llama"), tok)
     assert calls == [] and s3["baseline"] == stored and s3["restarts"][0]["baseline"] == "from the bundle's summary.json"
+    # the bundle's training seconds are kept, so that a shipped checkpoint's wall time counts its first steps
+    assert s3["restarts"][0]["train_seconds_before"] == 12.5
+    # a summary written for another step (copied beside a later LoRA) gives no seconds rather than wrong ones
+    write_json(bundle / "summary.json", {"config": json.loads(json.dumps(vars(cfg_val), default=list)),
+                                         "baseline": stored, "train_seconds": 12.5, "shipped_step": 1})  # fmt: skip
+    s4 = adapt(_cfg(tmp_path / "v2", docs, scorer_path, steps=4, val_docs=1, from_bundle=str(bundle)),
+               tiny_model("llama"), tok)  # fmt: skip
+    assert s4["restarts"][0]["train_seconds_before"] is None and s4["baseline"] == stored
 
 
 @pytest.mark.parametrize("change,needle", [({"lora_r": 2}, "adapter"), ({"seq_len": 48}, "seq_len"),
@@ -620,3 +628,25 @@ def test_from_bundle_refuses_another_run(tmp_path, docs, scorer_path, change, ne
         setattr(cfg, key, value)
     with pytest.raises(ValueError, match=needle):
         adapt(cfg, model=None)  # refused before any model is loaded
+
+
+def test_shipped_wall_time_counts_the_steps_before_a_restart():
+    """ship_adapter.py --bundle: a run restarted from a bundle keeps only its own steps' times; the
+    bundle's seconds (recorded by the restart, or --seconds-before) are added, and a restart that did
+    not record them is refused rather than under-reported."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "ship_adapter.py"
+    spec = importlib.util.spec_from_file_location("ship_adapter", path)
+    ship = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship)
+    history = [{"step": 3, "seconds": 10.0}, {"step": 4, "seconds": 20.0}, {"step": 5, "seconds": 40.0}]
+    assert ship._seconds_to({"history": history}, 4) == 30.0
+    restarted = {"history": history, "restarts": [{"from_bundle": "b", "step": 2, "train_seconds_before": 7.5}]}
+    assert ship._seconds_to(restarted, 4) == 37.5
+    assert ship._seconds_to(restarted, 4, before=1.0) == 31.0
+    unknown = {"history": history, "restarts": [{"from_bundle": "b", "step": 2}]}
+    with pytest.raises(SystemExit, match="--seconds-before"):
+        ship._seconds_to(unknown, 4)
+    assert ship._seconds_to(unknown, 4, before=100.0) == 130.0

@@ -38,11 +38,14 @@ class BundleStart:
     path: Path
     step: int
     baseline: dict | None
+    seconds_before: float | None = None  # training seconds of the bundle's steps (its summary.json), if known
 
     def record(self) -> dict:
-        """What the run's state and summary keep about this restart."""
+        """What the run's state and summary keep about this restart (the seconds before it: the restarted
+        run's history starts at the bundle's step, and its wall time should not)."""
         return {"from_bundle": str(self.path), "step": self.step, "optimizer": "AdamW moments reset to zero",
-                "baseline": "from the bundle's summary.json" if self.baseline is not None else "recomputed"}
+                "baseline": "from the bundle's summary.json" if self.baseline is not None else "recomputed",
+                "train_seconds_before": self.seconds_before}
 
 
 def bundle_start(cfg: AdaptConfig) -> BundleStart:
@@ -79,7 +82,20 @@ def bundle_start(cfg: AdaptConfig) -> BundleStart:
     if meta.get("tokens_seen") != step * cfg.batch_size * cfg.seq_len:
         raise ValueError(f"{where} saw {meta.get('tokens_seen')} tokens in {step} steps, not {step} x batch "
                          f"{cfg.batch_size} x seq_len {cfg.seq_len}: another --batch-size or --seq-len")  # fmt: skip
-    return BundleStart(path, step, _stored_baseline(path, cfg))
+    return BundleStart(path, step, _stored_baseline(path, cfg), _stored_seconds(path, step))
+
+
+def _stored_seconds(path: Path, step: int) -> float | None:
+    """The bundle's training seconds, only if its summary was written for this very step (a summary
+    copied beside a later checkpoint's LoRA would under-count)."""
+    f = path / SUMMARY_FILE
+    if not f.is_file():
+        return None
+    summary = json.loads(f.read_text(encoding="utf-8"))
+    seconds = summary.get("train_seconds")
+    if summary.get("shipped_step") != step or not isinstance(seconds, (int, float)):
+        return None
+    return float(seconds)
 
 
 def _stored_baseline(path: Path, cfg: AdaptConfig) -> dict | None:
