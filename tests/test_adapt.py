@@ -635,7 +635,6 @@ def test_shipped_wall_time_counts_the_steps_before_a_restart():
     bundle's seconds (recorded by the restart, or --seconds-before) are added, and a restart that did
     not record them is refused rather than under-reported."""
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "ship_adapter.py"
     spec = importlib.util.spec_from_file_location("ship_adapter", path)

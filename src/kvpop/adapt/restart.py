@@ -82,27 +82,27 @@ def bundle_start(cfg: AdaptConfig) -> BundleStart:
     if meta.get("tokens_seen") != step * cfg.batch_size * cfg.seq_len:
         raise ValueError(f"{where} saw {meta.get('tokens_seen')} tokens in {step} steps, not {step} x batch "
                          f"{cfg.batch_size} x seq_len {cfg.seq_len}: another --batch-size or --seq-len")  # fmt: skip
-    return BundleStart(path, step, _stored_baseline(path, cfg), _stored_seconds(path, step))
+    summary = _read_summary(path)
+    return BundleStart(path, step, _stored_baseline(summary, cfg), _stored_seconds(summary, step))
 
 
-def _stored_seconds(path: Path, step: int) -> float | None:
+def _read_summary(path: Path) -> dict | None:
+    f = path / SUMMARY_FILE
+    return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
+
+
+def _stored_seconds(summary: dict | None, step: int) -> float | None:
     """The bundle's training seconds, only if its summary was written for this very step (a summary
     copied beside a later checkpoint's LoRA would under-count)."""
-    f = path / SUMMARY_FILE
-    if not f.is_file():
-        return None
-    summary = json.loads(f.read_text(encoding="utf-8"))
-    seconds = summary.get("train_seconds")
-    if summary.get("shipped_step") != step or not isinstance(seconds, (int, float)):
+    seconds = (summary or {}).get("train_seconds")
+    if summary is None or summary.get("shipped_step") != step or not isinstance(seconds, (int, float)):
         return None
     return float(seconds)
 
 
-def _stored_baseline(path: Path, cfg: AdaptConfig) -> dict | None:
-    f = path / SUMMARY_FILE
-    if not cfg.val_docs or not f.is_file():
+def _stored_baseline(summary: dict | None, cfg: AdaptConfig) -> dict | None:
+    if not cfg.val_docs or summary is None:
         return None
-    summary = json.loads(f.read_text(encoding="utf-8"))
     saved, now = summary.get("config") or {}, json.loads(json.dumps(vars(cfg), default=list))
     if not summary.get("baseline") or any(saved.get(k) != now.get(k) for k in BASELINE_KEYS):
         return None
