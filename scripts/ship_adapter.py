@@ -50,8 +50,7 @@ def main() -> None:
     step = (meta.get("meta") or {}).get("steps")
     shipped = {
         "command": args.command,
-        "train_seconds": (summary.get("seconds_this_process") if not args.bundle
-                          else _seconds_to(summary, step, args.seconds_before)),
+        "train_seconds": _train_seconds(summary, step, args.seconds_before),
         "tokens_seen": (meta.get("meta") or {}).get("tokens_seen", summary.get("tokens_seen")),
         "peak_rss_mib": summary.get("peak_rss_mib"),
         "best": summary.get("best"),
@@ -87,6 +86,14 @@ def _summary(run: Path) -> dict:
     return {"history": state.get("history", []), "baseline": state.get("baseline"), "best": state.get("best"),
             "config": state.get("config"), "restarts": state.get("restarts"), "tokens_seen": None,
             "seconds_this_process": None}
+
+
+def _train_seconds(summary: dict, step: int | None, before: float | None = None) -> float | None:
+    """The shipped wall time: the per-step times up to ``step`` (a resumed run's history holds every
+    step since its start, so this counts the sessions before the last resume too, which
+    ``seconds_this_process`` does not); a summary without per-step times falls back to that."""
+    seconds = _seconds_to(summary, step, before)
+    return summary.get("seconds_this_process") if seconds is None else seconds
 
 
 def _seconds_to(summary: dict, step: int | None, before: float | None = None) -> float | None:

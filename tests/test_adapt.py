@@ -649,3 +649,10 @@ def test_shipped_wall_time_counts_the_steps_before_a_restart():
     with pytest.raises(SystemExit, match="--seconds-before"):
         ship._seconds_to(unknown, 4)
     assert ship._seconds_to(unknown, 4, before=100.0) == 130.0
+    # the run's own best/ or adapter/ (no --bundle) is counted the same way, not by seconds_this_process,
+    # which after a resume covers only the last session
+    resumed = {"history": history, "seconds_this_process": 40.0}
+    assert ship._train_seconds(resumed, 5) == 70.0
+    assert ship._train_seconds({"seconds_this_process": 12.0}, 5) == 12.0
+    with pytest.raises(SystemExit, match="--seconds-before"):
+        ship._train_seconds({**unknown, "seconds_this_process": 40.0}, 5)
