@@ -39,6 +39,8 @@ def main() -> None:
     p.add_argument("--seconds-before", type=float, default=None,
                    help="training seconds before the run's last --from-bundle restart (when it did not record them)")
     p.add_argument("--report", default=None, help="results.json of kvpop compare-adapted on the test splits")
+    p.add_argument("--note", default=None,
+                   help="recorded as summary.json's note: say here what is estimated (e.g. --seconds-before) and why")
     args = p.parse_args()
     run = Path(args.run)
     src = Path(args.bundle) if args.bundle else run / args.which
@@ -60,6 +62,8 @@ def main() -> None:
         "validation": [h["val"] for h in summary.get("history", []) if "val" in h],
         "config": summary.get("config"),
     }
+    if args.note:
+        shipped["note"] = args.note
     if args.validation:
         shipped["bundle_validation"] = [json.loads(Path(f).read_text()) for f in args.validation]
     if args.report:
