@@ -656,3 +656,36 @@ def test_shipped_wall_time_counts_the_steps_before_a_restart():
     assert ship._train_seconds({"seconds_this_process": 12.0}, 5) == 12.0
     with pytest.raises(SystemExit, match="--seconds-before"):
         ship._train_seconds({**unknown, "seconds_this_process": 40.0}, 5)
+
+
+def test_ship_adapter_writes_the_bundle_with_its_summary_and_note(tmp_path, monkeypatch):
+    """ship_adapter.py main(): the four bundle files are copied, the old shipped folder is replaced,
+    and summary.json carries the wall time to the shipped step and the --note (what is estimated)."""
+    import importlib.util
+    import json
+    import sys
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "ship_adapter.py"
+    spec = importlib.util.spec_from_file_location("ship_adapter", path)
+    ship = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship)
+    run, bundle, target = tmp_path / "run", tmp_path / "bundle", tmp_path / "assets" / "shipped"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({
+        "history": [{"step": 1, "seconds": 5.0}, {"step": 2, "seconds": 6.0, "val": {"mean_retention": 0.9}}],
+        "restarts": [], "best": {"step": 2}, "tokens_seen": 8}))
+    bundle.mkdir()
+    for name in ship.BUNDLE_FILES:
+        (bundle / name).write_bytes(b"x")
+    (bundle / "kvpop_adapter.json").write_text(json.dumps({"meta": {"steps": 2, "tokens_seen": 8}}))
+    target.mkdir(parents=True)
+    (target / "stale.txt").write_text("old")
+    monkeypatch.setattr(ship, "DEFAULT_ADAPTER", target)
+    monkeypatch.setattr(sys, "argv", ["ship_adapter.py", str(run), "--bundle", str(bundle), "--command", "kvpop adapt",
+                                      "--seconds-before", "100", "--note", "steps 1-2 estimated"])
+    ship.main()
+    summary = json.loads((target / "summary.json").read_text())
+    assert summary["note"] == "steps 1-2 estimated"
+    assert summary["train_seconds"] == 111.0  # the run's own steps plus --seconds-before
+    assert summary["shipped_step"] == 2 and summary["validation"] == [{"mean_retention": 0.9}]
+    assert sorted(p.name for p in target.iterdir()) == sorted([*ship.BUNDLE_FILES, "summary.json"])
