@@ -7,6 +7,10 @@ Copies DIR/best.safetensors (the checkpoint with the best validation retention u
 cache) to src/kvpop/assets/scorers/smollm2-135m-instruct-<kind>.safetensors and writes
 <same>.summary.json: the training command, tokens seen (and unique tokens), wall time, the
 validation retention history and the boundary-decision diagnostics.
+
+A run trained with ``--val-docs 0`` (chosen afterwards by ``kvpop eval --split validation``
+against the scorer that ships) has no best checkpoint: ``--checkpoint scorer.safetensors`` ships
+its last one, and ``--validation FILE`` records the report it was chosen on.
 """
 
 import argparse
@@ -15,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from kvpop.checkpoint import DEFAULT_SCORERS, read_header
+from kvpop.files import atomic_writes
 
 
 def main() -> None:
@@ -24,12 +29,19 @@ def main() -> None:
     p.add_argument("--unique-tokens", type=int, required=True, help="distinct training tokens (store sequences x length)")
     p.add_argument("--capture-command", default="", help="the command that filled the capture store")
     p.add_argument("--capture-wall-seconds", type=float, default=None)
+    p.add_argument("--checkpoint", default="best.safetensors",
+                   help="the file of DIR to ship (scorer.safetensors: the last checkpoint of a run without validation)")
+    p.add_argument("--validation", default=None, help="the validation report the scorer was chosen on (recorded)")
+    p.add_argument("--note", default="", help="recorded as is (how it was chosen, what is estimated)")
     args = p.parse_args()
     run = Path(args.run)
     summary = json.loads((run / "summary.json").read_text())
     kind = summary["config"]["scorer"]
     dest = DEFAULT_SCORERS[kind]
-    best = run / "best.safetensors"
+    best = run / args.checkpoint
+    if not best.is_file():
+        raise SystemExit(f"ship_scorer: {best} does not exist (a run without validation has no best.safetensors: "
+                         "pass --checkpoint scorer.safetensors)")
     meta = read_header(best).get("meta", {})
     shipped = {
         "command": args.command,
@@ -38,18 +50,23 @@ def main() -> None:
         "train_seconds": summary["seconds_this_process"],
         "tokens_seen": summary["tokens_seen"],
         "unique_tokens": args.unique_tokens,
-        "best": summary["best"],
+        "best": summary["best"] if args.checkpoint == "best.safetensors" else None,  # no validation chose it
         "trained_for": summary["trained_for"],
         "corpora": meta.get("corpora"),
         "validation_retention": [{"step": h["step"], **h["val"]} for h in summary["history"] if "val" in h],
         "validation_decisions": {
             b: {k: v for k, v in blk.items() if k not in ("per_head_accuracy",)}
-            for b, blk in summary["validation_decisions"].items()
+            for b, blk in (summary.get("validation_decisions") or {}).items()
         },
+        "shipped_checkpoint": args.checkpoint,
+        "step": meta.get("step", meta.get("steps")),
+        "validation_report": args.validation,
+        "note": args.note,
         "config": summary["config"],
     }
-    shutil.copyfile(best, dest)
-    dest.with_suffix(".summary.json").write_text(json.dumps(shipped, indent=1) + "\n")
+    # both files at once, each whole: a killed ship leaves the old scorer and its summary as they were
+    atomic_writes([(dest, lambda tmp: shutil.copyfile(best, tmp)),
+                   (dest.with_suffix(".summary.json"), lambda tmp: Path(tmp).write_text(json.dumps(shipped, indent=1) + "\n"))])
     print(f"shipped {best} -> {dest}")
 
 

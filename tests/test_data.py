@@ -59,7 +59,7 @@ def root_of(name: str, human_eval_root: Path) -> Path:
 
 def test_list_corpora():
     assert data.list_corpora(evaluation_only=True) == FIXTURE_CORPORA == list(data.EVALUATION_CORPORA)
-    assert data.list_corpora() == FIXTURE_CORPORA + ["perl_docs", "git_docs"]  # extra training text
+    assert data.list_corpora() == FIXTURE_CORPORA + ["perl_docs", "git_docs", "package_code"]  # extra training text
     for name in data.list_corpora():
         corpus = data.CORPORA[name]
         assert corpus.description and corpus.install and corpus.kind in ("text", "code")
@@ -127,6 +127,43 @@ def test_python_docs_and_code_readers():
     assert ids == ["contents.rst", "library/json.rst", "library/os.rst", "tutorial/index.rst"]
     ids = [d.id for d in data.load_documents("python_code", "all", root=FIXTURES / "python_code")]
     assert ids == ["abc.py", "json/__init__.py", "json/decoder.py", "os.py"]
+
+
+def test_package_code_reader(tmp_path):
+    """Each listed package's .py files (tests, test_*.py and caches skipped), ids naming the package and
+    file; other packages in the same folder are not read."""
+    from kvpop.data import package_code
+
+    files = {
+        "peft/__init__.py": "from .tuners import lora\n",
+        "peft/tuners/lora.py": "class Lora:\n    pass\n",
+        "peft/tests/test_lora.py": "assert True\n",
+        "peft/test_x.py": "assert True\n",
+        "peft/__pycache__/lora.py": "cached\n",
+        "peft/empty.py": "\n",
+        "tqdm/std.py": "def tqdm():\n    return 1\n",
+        "numpy/core.py": "not listed\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    docs = data.load_documents("package_code", "all", root=tmp_path)
+    assert [d.id for d in docs] == ["peft/__init__.py", "peft/tuners/lora.py", "tqdm/std.py"]
+    assert docs[2].text == "def tqdm():\n    return 1\n"
+    corpus = data.CORPORA["package_code"]
+    assert corpus.kind == "code" and not corpus.evaluation  # training text only: the evaluation keeps its six
+    assert set(package_code.PACKAGES) <= {"peft", "huggingface_hub", "tqdm", "gguf"}  # all kvpop dependencies
+    assert "package_code" not in data.EVALUATION_CORPORA
+
+
+def test_package_code_is_found_where_its_packages_are_installed():
+    """Its packages are kvpop's own dependencies, so the corpus exists wherever kvpop is installed, and it
+    shares no file with python_code (the CPython standard library, held out for evaluation)."""
+    stats = data.corpus_stats("package_code")
+    assert stats["available"], stats["error"]
+    assert all(stats["splits"][s]["documents"] > 0 for s in data.SPLITS)
+    ids = {d.id for d in data.load_documents("package_code", "all")}
+    assert all(i.split("/")[0] in ("peft", "huggingface_hub", "tqdm", "gguf") for i in ids)
 
 
 def test_human_eval_reader(human_eval_root):

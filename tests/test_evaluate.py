@@ -217,6 +217,35 @@ def test_run_eval_on_fixture_corpora(tmp_path):
     assert ("out_of_domain", ("python_code",)) in doms or any("python_code" in str(d) for d in doms)
 
 
+def test_split_picks_the_documents_and_is_part_of_the_fingerprint(tmp_path):
+    """--split validation reads the validation documents, records the split (a test-split folder refuses to
+    resume with it) and leaves the test-split fingerprint as it was; a bad split fails before any work."""
+    from pathlib import Path
+
+    from kvpop.data import long_documents
+    from kvpop.evaluate.harness import corpus_documents, fingerprint
+
+    fixtures = Path(__file__).parent / "fixtures" / "corpora"
+    roots = {"paul_graham": fixtures / "paul_graham"}
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    test_cfg = _small_cfg(tasks=("lm",), policies=("dense", "knorm"), compressions=(0.75,), corpora=("paul_graham",),
+                          corpus_root=roots, doc_tokens=32, reference_length=64)  # fmt: skip
+    val_cfg = _small_cfg(**{**test_cfg.__dict__, "split": "validation"})
+    for cfg, split in ((test_cfg, "test"), (val_cfg, "validation")):
+        (_, name, docs), = corpus_documents(tok, cfg, [])
+        want = long_documents(tok, "paul_graham", 32, split=split, max_docs=1, root=roots["paul_graham"])
+        assert name == "paul_graham" and [d.tolist() for d in docs] == [d.tolist() for d in want] and want
+    assert "split" not in fingerprint(model, test_cfg)  # folders made before --split still resume and merge
+    assert fingerprint(model, val_cfg) == {**fingerprint(model, test_cfg), "split": "validation"}
+    run_eval(model, tok, test_cfg, progress=False, plots=False, out=tmp_path)
+    with pytest.raises(ValueError, match="other settings"):
+        run_eval(model, tok, val_cfg, progress=False, plots=False, out=tmp_path)
+    with pytest.raises(ValueError, match="split must be one of train, validation, test"):
+        run_eval(model, tok, _small_cfg(**{**test_cfg.__dict__, "split": "dev"}), progress=False, plots=False,
+                 out=tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_cli_on_saved_tiny_model(tmp_path, capsys):
     save_tiny_model(tmp_path / "model")
     docs = tmp_path / "docs"

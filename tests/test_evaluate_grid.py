@@ -453,3 +453,37 @@ def test_merge_takes_a_scorer_run_beside_a_heuristics_run(tmp_path):
         load_dirs([mlp, shipped])
     with pytest.raises(StoreMismatch, match="sinks"):
         load_dirs([heur, folder("sinks", ("knorm",), {}, sinks=8)])
+
+
+def test_unit_cost_estimate_grows_with_the_budget_and_matches_the_committed_8k_units():
+    """The --dry-run estimate of a policy unit includes the budget (attention over B cached keys): at 8,000
+    tokens it is within a factor of 2 of the median of the committed grid's measured H2O / TOVA / SnapKV unit
+    times at B = 384 and 2,048 (which themselves vary 1.7-fold with the machine's load; a per-token constant
+    alone was two to seven times too low)."""
+    import statistics
+    from pathlib import Path
+
+    import torch
+
+    from kvpop.evaluate.grid import Item, item_cost
+
+    item = Item("doc", "x", "in_domain", "0", torch.zeros(8000, dtype=torch.long))
+    shared = item_cost(item, [("dense", 384)])  # the shared runs and the dense unit only
+
+    def unit(policy, b):
+        return item_cost(item, [("dense", 384), (policy, b)]) - shared
+
+    assert unit("h2o", 2048) > 2 * unit("h2o", 384) > 0
+    records = Path(__file__).resolve().parents[1] / "results" / "grid8k" / "heur-store" / "records"
+    if not records.is_dir():
+        pytest.skip("the committed 8k grid records are not in this checkout")
+    measured: dict[int, list[float]] = {384: [], 2048: []}
+    for f in records.glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r["policy"] in ("h2o", "tova", "snapkv") and r["tokens"] == 8000 and r["budget"] in measured:
+                measured[r["budget"]].append(r["wall_s"])
+    for b, times in measured.items():
+        assert times, b
+        ratio = unit("h2o", b) / statistics.median(times)
+        assert 1 / 2 < ratio < 2, (b, ratio, statistics.median(times))

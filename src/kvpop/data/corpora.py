@@ -8,6 +8,7 @@ from typing import Any
 from .base import Corpus, CorpusNotFoundError, Document
 from .git_docs import CORPUS as GIT_DOCS
 from .human_eval import CORPUS as HUMAN_EVAL
+from .package_code import CORPUS as PACKAGE_CODE
 from .paul_graham import CORPUS as PAUL_GRAHAM
 from .perl_docs import CORPUS as PERL_DOCS
 from .python_code import CORPUS as PYTHON_CODE
@@ -17,7 +18,8 @@ from .splits import SPLITS, check_split, split_documents
 from .wikipedia import CORPUS as WIKIPEDIA
 
 CORPORA: dict[str, Corpus] = {
-    c.name: c for c in (SHAKESPEARE, PAUL_GRAHAM, WIKIPEDIA, PYTHON_DOCS, PYTHON_CODE, HUMAN_EVAL, PERL_DOCS, GIT_DOCS)
+    c.name: c for c in (SHAKESPEARE, PAUL_GRAHAM, WIKIPEDIA, PYTHON_DOCS, PYTHON_CODE, HUMAN_EVAL, PERL_DOCS, GIT_DOCS,
+                    PACKAGE_CODE)
 }
 EVALUATION_CORPORA: tuple[str, ...] = tuple(n for n, c in CORPORA.items() if c.evaluation)
 

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--longdep-threshold", type=float,
                    help="nats by which the full context must beat the window-only run (default 0.5)")
     p.add_argument("--corpora", nargs="+", help="built-in corpora (default: the six evaluation corpora)")
+    p.add_argument("--split", choices=("test", "validation", "train"),
+                   help="which split of the corpora the documents come from (default test; validation to choose "
+                        "between scorers or settings without looking at the test documents)")
     p.add_argument("--docs-from", help="a folder of .txt files or a .jsonl with 'text': evaluate on these instead "
                    "(lm, long-dependency tokens and continuation by default)")  # fmt: skip
     p.add_argument("--needle-lengths", nargs="+", type=int, help="needle prompt lengths (default 2048 4096 8000)")
@@ -97,7 +100,8 @@ def config_from_args(args) -> EvalConfig:
         ("reference_length", "reference_length"), ("sinks", "sinks"), ("window", "window"), ("docs", "docs"),
         ("window_fraction", "window_fraction"), ("lam", "lam"),
         ("doc_tokens", "doc_tokens"), ("continuation_tokens", "continuation_tokens"),
-        ("longdep_threshold", "longdep_threshold"), ("corpora", "corpora"), ("needle_lengths", "needle_lengths"),
+        ("longdep_threshold", "longdep_threshold"), ("corpora", "corpora"), ("split", "split"),
+        ("needle_lengths", "needle_lengths"),
         ("needle_depths", "needle_depths"), ("multikey_lengths", "multikey_lengths"),
         ("multikey_cases", "multikey_cases"), ("multikey_keys", "multikey_keys"),
         ("agreement_tokens", "agreement_tokens"), ("seed", "seed"), ("bootstrap", "bootstrap"),

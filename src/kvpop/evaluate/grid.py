@@ -128,8 +128,13 @@ def partition(items: list[Item], costs: list[float], n: int) -> list[int]:
 # development machine: the forward under any eviction policy (15-20 s), the dense forward, the
 # window-only run, the oracle's capture of three windows, and the metrics (LM head, log-softmax,
 # KL over the vocabulary) per scored position; greedy answers cost ~0.055 s per token.
-CPU_S_PER_TOKEN = {"policy": 4.1e-3, "dense": 4.0e-3, "window": 3.2e-3, "capture": 9.6e-3, "metrics": 1.7e-3,
-                   "dense_logp": 1.4e-3}  # fmt: skip
+# "policy_per_slot": the forward under a policy also grows with the budget (attention over B cached
+# keys per token), fitted to committed unit times: 4,096-token documents at B = 256 / 1,024 (~24 /
+# ~45 s, results/grid/kvpop-mlp-1M) and 8,000-token ones at B = 384 / 2,048 (~65-110 / ~180-390 s,
+# results/grid8k's H2O, TOVA and SnapKV, the spread from the machine's load), where a per-token
+# constant alone estimated a seventh to a half of what the 8,000-token units took.
+CPU_S_PER_TOKEN = {"policy": 4.1e-3, "policy_per_slot": 7e-6, "dense": 4.0e-3, "window": 3.2e-3,
+                   "capture": 9.6e-3, "metrics": 1.7e-3, "dense_logp": 1.4e-3}  # fmt: skip
 CPU_S_PER_NEW_TOKEN = 0.055
 
 
@@ -154,7 +159,7 @@ def item_cost(item: Item, units: list[tuple[str, int | None]], settings: Setting
         elif p != DENSE:
             cost += n_new * CPU_S_PER_NEW_TOKEN
         if p != DENSE:
-            cost += S * c["policy"]
+            cost += S * (c["policy"] + c["policy_per_slot"] * min(b if b is not None else S, S))
     return cost
 
 

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import DEFAULT_SCORERS, read_header
 from ..config import EvictionConfig, budget_of_compression
-from ..data import list_corpora, load_documents, long_documents, read_user_documents
+from ..data import SPLITS, list_corpora, load_documents, long_documents, read_user_documents
 from ..policies import KIND_TO_POLICY
 from .core import ALL_POLICIES, DENSE, ORACLE, PolicyUnavailable, build_cache, policy_available
 from .grid import SHARED_DIR, Item, ItemContext, Settings, SharedStore, item_cost, partition, resolve_window, units_of
@@ -96,6 +96,9 @@ class EvalConfig:
     multikey_keys: int = 4  # facts per case
     corpora: tuple[str, ...] | None = None  # default: the six evaluation corpora (kvpop.data.EVALUATION_CORPORA)
     corpus_root: dict | None = None  # corpus name -> root folder (tests, custom installs)
+    # the corpora's split the documents come from: "test" for results; "validation" to choose between
+    # scorers or settings without looking at the test documents
+    split: str = "test"
     seed: int = 0
     policy_kwargs: dict | None = (
         None  # policy name -> factory kwargs, e.g. {"kvpop": {"path": "scorer.safetensors"}}
@@ -189,23 +192,23 @@ def _domain(corpus: str, in_domain: tuple[str, ...]) -> str:
 
 def corpus_documents(tokenizer, cfg: EvalConfig, notes: list[str],
                      in_domain: tuple[str, ...] | None = None) -> list[tuple[str, str, list[Tensor]]]:  # fmt: skip
-    """``[(domain, corpus, [ids...])]`` from the test splits of the corpora (in domain: ``in_domain``,
-    by default the shipped scorers' corpora, :func:`shipped_training_corpora`)."""
+    """``[(domain, corpus, [ids...])]`` from the ``cfg.split`` (default test) splits of the corpora (in
+    domain: ``in_domain``, by default the shipped scorers' corpora, :func:`shipped_training_corpora`)."""
     in_domain = shipped_training_corpora() if in_domain is None else tuple(in_domain)
 
     out = []
     for name in cfg.corpora or list_corpora(evaluation_only=True):
         root = (cfg.corpus_root or {}).get(name)
         try:
-            docs = long_documents(tokenizer, name, cfg.doc_tokens, split="test", max_docs=cfg.docs, root=root)
+            docs = long_documents(tokenizer, name, cfg.doc_tokens, split=cfg.split, max_docs=cfg.docs, root=root)
         except (FileNotFoundError, ValueError) as exc:
             notes.append(f"corpus {name!r} skipped: {exc}")
             continue
         if not docs:
-            notes.append(f"corpus {name!r} skipped: no test document of {cfg.doc_tokens} tokens")
+            notes.append(f"corpus {name!r} skipped: no {cfg.split} document of {cfg.doc_tokens} tokens")
             continue
         if len(docs) < cfg.docs:
-            notes.append(f"corpus {name!r}: only {len(docs)} test document(s) of {cfg.doc_tokens} tokens")
+            notes.append(f"corpus {name!r}: only {len(docs)} {cfg.split} document(s) of {cfg.doc_tokens} tokens")
         out.append((_domain(name, in_domain), name, docs))
     return out
 
@@ -311,8 +314,9 @@ def _model_name(model) -> str:
 
 
 def fingerprint(model, cfg: EvalConfig) -> dict:
-    """What every unit record depends on besides its item, policy and budget."""
-    return {
+    """What every unit record depends on besides its item, policy and budget (the split only when it is
+    not the test split, so folders made before the split was an option still resume and merge)."""
+    fp = {
         "schema_version": SCHEMA_VERSION,
         "model": _model_name(model),
         "reference_length": cfg.reference_length,
@@ -328,6 +332,9 @@ def fingerprint(model, cfg: EvalConfig) -> dict:
         "seed": cfg.seed,
         "policy_kwargs": {k: {a: str(b) for a, b in v.items()} for k, v in sorted((cfg.policy_kwargs or {}).items())},
     }
+    if cfg.split != "test":
+        fp["split"] = cfg.split
+    return fp
 
 
 def parse_shard(shard) -> tuple[int, int] | None:
@@ -373,6 +380,8 @@ def run_eval(
     for t in cfg.tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; tasks: {', '.join(TASKS)}")
+    if cfg.split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {cfg.split!r}")
     shard = parse_shard(shard)
     budgets = [b.budget for b in cfg.budgets()]
     t_start = time.perf_counter()
