@@ -316,4 +316,7 @@ def test_real_model_masked_equals_cache():
     for policy, fn, w, k in cases:
         ref = _cache_logits(model, ids, policy, budget=budget, window=window, sinks=sinks)
         got = _masked_logits(model, ids, fn, sinks, w, k)
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=2e-4)
+        # float rounding of the two paths (the chunked cache and one masked forward) reaches 5.4e-4 on a few
+        # logits with the MLP shipped since 4 December (2.7e-4 with the one before); one kept slot fewer in the
+        # masked path (other evictions) moves them by up to 1.6
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-3)

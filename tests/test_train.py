@@ -365,7 +365,7 @@ def test_validation_table_script_reproduces_the_committed_table(tmp_path):
     root = Path(__file__).resolve().parents[1]
     committed = json.loads((root / "results" / "design" / "validation.json").read_text())
     out = tmp_path / "v.json"
-    ref = "kvpop-mlp as shipped (168 sequences, no cross heads)=src/kvpop/assets/scorers/smollm2-135m-instruct-mlp.summary.json@123"
+    ref = "kvpop-mlp as shipped (168 sequences, no cross heads)=results/design/kvpop-mlp-1M.summary.json@123"
     runs = ["cross heads, 8 sequences=results/design/cross-heads-008.summary.json",
             "cross heads, 16 sequences=results/design/cross-heads-016.summary.json"]
     proc = subprocess.run([sys.executable, str(root / "scripts" / "validation_table.py"), "--reference", ref, *runs,
@@ -375,3 +375,42 @@ def test_validation_table_script_reproduces_the_committed_table(tmp_path):
     assert got == committed
     eight = got["rows"][1]["budgets"]["512"]
     assert eight["docs"] == 24 and 0 <= eight["lm_better_than_reference"] <= 24 and eight["lm"] > eight["streaming"]
+
+
+def test_ship_scorer_ships_the_last_checkpoint_of_a_run_without_validation(tmp_path, monkeypatch):
+    """scripts/ship_scorer.py: --checkpoint scorer.safetensors ships a run trained with --val-docs 0 (its best
+    is never written), recording the step, the validation report and the note; without it the missing
+    best.safetensors is one clear error and the shipped files stay as they were."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "ship_scorer.py"
+    spec = importlib.util.spec_from_file_location("ship_scorer", path)
+    ship = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship)
+    run, assets = tmp_path / "run", tmp_path / "assets"
+    run.mkdir()
+    assets.mkdir()
+    cfg = ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16, observed=(None, 1))
+    save_scorer(build_scorer(cfg), run / "scorer.safetensors", {"steps": 7, "corpora": ["shakespeare", "package_code"]})
+    (run / "summary.json").write_text(json.dumps({
+        "seconds_this_process": 12.5, "tokens_seen": 64, "best": {"mean_retention": None, "step": 0},
+        "trained_for": {"budget_range": [128, 2048]}, "history": [{"step": 7, "loss": 0.1}],
+        "config": {"scorer": "mlp"}}))  # fmt: skip
+    dest = assets / "smollm2-135m-instruct-mlp.safetensors"
+    dest.write_bytes(b"old")
+    dest.with_suffix(".summary.json").write_text("{}")
+    monkeypatch.setattr(ship, "DEFAULT_SCORERS", {"mlp": dest})
+    argv = ["ship_scorer.py", str(run), "--command", "kvpop train ...", "--unique-tokens", "32"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit, match="--checkpoint scorer.safetensors"):
+        ship.main()
+    assert dest.read_bytes() == b"old" and dest.with_suffix(".summary.json").read_text() == "{}"
+    monkeypatch.setattr(sys, "argv", [*argv, "--checkpoint", "scorer.safetensors", "--validation", "v.md",
+                                      "--note", "chosen on the validation split"])
+    ship.main()
+    assert dest.read_bytes() == (run / "scorer.safetensors").read_bytes()
+    summary = json.loads(dest.with_suffix(".summary.json").read_text())
+    assert summary["shipped_checkpoint"] == "scorer.safetensors" and summary["step"] == 7 and summary["best"] is None
+    assert summary["validation_report"] == "v.md" and summary["note"] == "chosen on the validation split"
+    assert summary["corpora"] == ["shakespeare", "package_code"] and summary["validation_retention"] == []
+    assert sorted(p.name for p in assets.iterdir()) == [dest.name, dest.with_suffix(".summary.json").name]

@@ -16,6 +16,9 @@ from ..runs import RunSettings
 # Held out of training so the out-of-domain columns of the evaluation stay honest: one prose
 # corpus (Paul Graham's essays) and one code corpus (the CPython standard library).
 HELD_OUT = ("paul_graham", "python_code")
+# The default mix. The MLP that ships since December 2026 adds "package_code" (Python sources of kvpop's own
+# dependencies; its command names all seven: docs/training.md); the default stays the six so run folders
+# started before resume with their settings.
 TRAIN_CORPORA = ("shakespeare", "wikipedia", "python_docs", "human_eval", "perl_docs", "git_docs")
 
 # Fields that change what a checkpoint means: a resumed run must agree on them.
