@@ -119,6 +119,24 @@ def read_text(path: Path) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
+def read_py_files(root: Path, top: Path, skip_dirs: set[str], skip_files: tuple[str, ...] = ("test_",),
+                  skip_dir_prefixes: tuple[str, ...] = (".",)) -> list[Document]:
+    """Every non-empty ``.py`` file under ``top`` (folders in ``skip_dirs`` or starting with a prefix in
+    ``skip_dir_prefixes`` skipped, files starting with one of ``skip_files`` too), its path relative to
+    ``root`` as id: the source-code corpora."""
+    docs = []
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(skip_dir_prefixes)]
+        for fname in filenames:
+            if not fname.endswith(".py") or fname.startswith(skip_files):
+                continue
+            path = Path(dirpath) / fname
+            text = read_text(path)
+            if text.strip():
+                docs.append(Document(path.relative_to(root).as_posix(), text))
+    return docs
+
+
 def read_text_files(root: Path, pattern: str) -> list[Document]:
     """Every non-empty file matching ``pattern`` in ``root``, its relative path as id."""
     docs = []

@@ -10,10 +10,9 @@ and file, so the splits stay fixed for the same package versions (they move with
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from .base import Corpus, Document, find_package_dir, read_text
+from .base import Corpus, Document, find_package_dir, read_py_files
 
 PACKAGES: tuple[str, ...] = ("peft", "huggingface_hub", "tqdm", "gguf")
 SKIP_DIRS = {"tests", "test", "__pycache__"}
@@ -26,21 +25,8 @@ def locate() -> Path | None:
 
 
 def read(root: Path) -> list[Document]:
-    docs = []
-    for package in PACKAGES:
-        base = root / package
-        if not base.is_dir():
-            continue
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
-            for fname in sorted(filenames):
-                if not fname.endswith(".py") or fname.startswith("test_"):
-                    continue
-                path = Path(dirpath) / fname
-                text = read_text(path)
-                if text.strip():
-                    docs.append(Document(path.relative_to(root).as_posix(), text))
-    return docs
+    return [d for package in PACKAGES if (root / package).is_dir()
+            for d in read_py_files(root, root / package, SKIP_DIRS)]  # fmt: skip
 
 
 CORPUS = Corpus(

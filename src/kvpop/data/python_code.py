@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import sysconfig
 from pathlib import Path
 
-from .base import Corpus, Document, read_text
+from .base import Corpus, Document, read_py_files
 
 # Folders of the stdlib that are tests, installed packages, build data or generated tables.
 SKIP_DIRS = {
@@ -21,20 +20,8 @@ def locate() -> Path | None:
 
 
 def read(root: Path) -> list[Document]:
-    docs = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel_dir = Path(dirpath).relative_to(root)
-        dirnames[:] = [
-            d for d in dirnames
-            if d not in SKIP_DIRS and not d.startswith("config-") and not d.startswith(".")
-        ]  # fmt: skip
-        for fname in filenames:
-            if not fname.endswith(".py") or fname.startswith(("_sysconfigdata", "test_")):
-                continue
-            text = read_text(Path(dirpath) / fname)
-            if text.strip():
-                docs.append(Document((rel_dir / fname).as_posix(), text))
-    return docs
+    return read_py_files(root, root, SKIP_DIRS, skip_files=("_sysconfigdata", "test_"),
+                         skip_dir_prefixes=(".", "config-"))
 
 
 CORPUS = Corpus(

@@ -11,6 +11,7 @@ import argparse
 import sys
 import time
 
+from ..data import SPLITS
 from ..options import load_model_quietly, policy_for_scorer
 from .core import ALL_POLICIES, PolicyUnavailable
 from .harness import EvalConfig, merge, parse_shard, quick_config, run_eval, table, unit_filter, user_documents
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--longdep-threshold", type=float,
                    help="nats by which the full context must beat the window-only run (default 0.5)")
     p.add_argument("--corpora", nargs="+", help="built-in corpora (default: the six evaluation corpora)")
-    p.add_argument("--split", choices=("test", "validation", "train"),
+    p.add_argument("--split", choices=SPLITS,
                    help="which split of the corpora the documents come from (default test; validation to choose "
                         "between scorers or settings without looking at the test documents)")
     p.add_argument("--docs-from", help="a folder of .txt files or a .jsonl with 'text': evaluate on these instead "
