@@ -78,12 +78,17 @@ def test_shipped_scorers_and_adapter_fit_the_embedded_model_in_bfloat16(real):
 
 
 def test_shipped_scorers_default_to_their_trained_window(real):
-    """The mLSTM was trained at B = 512 and 1,024, the MLP over 128..2,048 (lam 5e-4), both with window B/2:
-    a cache at a budget inside their training uses that window and lam by default."""
+    """Both shipped scorers were trained over 128..2,048 with window B/2 and lam 5e-4 (the mLSTM since
+    4 December 2026; before, at B = 512 and 1,024 with lam 0): a cache at a budget inside that range uses
+    that window and lam by default, and says nothing."""
+    from kvpop.config import ScorerSettingsWarning
+
     model, _ = real
-    for name, budgets, lam in (("kvpop", (512, 1024), 0.0), ("kvpop-mlp", (128, 384, 512, 2048), 5e-4)):
+    for name, budgets, lam in (("kvpop", (128, 384, 512, 2048), 5e-4), ("kvpop-mlp", (128, 384, 512, 2048), 5e-4)):
         for budget in budgets:
-            cache = kvpop.KVpopCache(model.config, budget=budget, policy=name)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", ScorerSettingsWarning)
+                cache = kvpop.KVpopCache(model.config, budget=budget, policy=name)
             assert cache.eviction.window == budget // 2 and cache.eviction.lam == lam, (name, budget)
 
 
@@ -115,15 +120,16 @@ def test_one_resolver_for_base_and_adapted_model_config_and_model(real):
     the adapted bundle, through ``KVpopCache(model.config)`` and ``make_cache(model)`` — the trained window
     fraction of B (the bundle path used to fall back to B // 8 at budgets it was not trained at exactly)
     and the scorer's own trained lam, and the config and model paths of one model take the same decisions.
-    With no policy named, each model gets its default: the shipped mLSTM on the base model, the bundle's
-    scorer on the adapted one."""
+    With no policy named, each model gets its default: the shipped MLP on the base model, the bundle's
+    scorer on the adapted one. Every budget here is inside the trained range (128..2,048), so no
+    ``ScorerSettingsWarning`` may be raised."""
     from kvpop.config import ScorerSettingsWarning
 
     base, tok = real
     adapted, _ = kvpop.load_model(adapter="default", merge=True, progress=False)
     ids = tok("The quick brown fox jumps over the lazy dog. " * 80, return_tensors="pt").input_ids[:, :700]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ScorerSettingsWarning)  # the mLSTM's range is 512..1024
+        warnings.simplefilter("error", ScorerSettingsWarning)
         for budget in (256, 384, 512, 768, 2048):
             for model, bundle in ((base, False), (adapted, True)):
                 by_config = kvpop.KVpopCache(model.config, budget=budget)
