@@ -12,7 +12,7 @@ import argparse
 import hashlib
 from pathlib import Path
 
-from kvpop.checkpoint import load_scorer, read_header, save_scorer
+from kvpop.checkpoint import load_scorer, save_scorer
 from kvpop.scorers.average import average_scorers
 
 
@@ -25,12 +25,11 @@ def main() -> None:
     weights = None if args.weights is None else [float(w) for w in args.weights.split(",")]
     if len(args.members) < 2:
         raise SystemExit("average_scorers: give at least two members")
-    metas = [read_header(m).get("meta", {}) for m in args.members]  # a missing/corrupt file fails here, first
+    stacks, metas = zip(*(load_scorer(m) for m in args.members))  # a missing or corrupt file fails here
     for name in ("fingerprint", "trained_for"):
         for m, meta in zip(args.members[1:], metas[1:]):
             if meta.get(name) != metas[0].get(name):
                 raise SystemExit(f"average_scorers: {m} has a different {name} than {args.members[0]}")
-    stacks = [load_scorer(m)[0] for m in args.members]
     merged = average_scorers(stacks, weights)
     n = len(stacks)
     used = weights or [1.0] * n
