@@ -689,3 +689,17 @@ def test_ship_adapter_writes_the_bundle_with_its_summary_and_note(tmp_path, monk
     assert summary["train_seconds"] == 111.0  # the run's own steps plus --seconds-before
     assert summary["shipped_step"] == 2 and summary["validation"] == [{"mean_retention": 0.9}]
     assert sorted(p.name for p in target.iterdir()) == sorted([*ship.BUNDLE_FILES, "summary.json"])
+
+
+def test_adapting_from_a_scorer_whose_tilt_scales_with_the_budget(tmp_path, docs):
+    """The mask of each step uses the starting scorer's lam_scale / B, and the bundle records the rule."""
+    model = tiny_model("llama")
+    tcfg = TrainConfig(docs_from=str(docs), seq_len=64, budget_range=(16, 32), sinks=2, observed=(None, 4, 1),
+                       lam_scale=0.32)  # fmt: skip
+    path = tmp_path / "scorer.safetensors"
+    save_scorer(build_run_scorer(tcfg, model), path, {"fingerprint": model_fingerprint(model),
+                                                      "trained_for": trained_for(tcfg)})  # fmt: skip
+    cfg = _cfg(tmp_path / "run", docs, scorer=path, budgets=(16, 32))
+    assert cfg.eviction(16).lam == pytest.approx(0.02) and cfg.eviction(32).lam == pytest.approx(0.01)
+    assert cfg.trained_for()["lam_scale"] == 0.32 and cfg.resume_view()["lam_scale"] == 0.32
+    assert "lam_scale" not in _cfg(tmp_path / "plain", docs, scorer=path, lam=0.001).resume_view()

@@ -289,6 +289,32 @@ def test_learned_policy_defaults_to_its_trained_window_and_lam_and_warns_on_othe
     assert (c.eviction.window, c.eviction.lam) == (12, 0.0)
 
 
+def test_a_tilt_that_scales_with_the_budget_resolves_per_budget_and_warns_on_others():
+    """A scorer trained with ``lam_scale`` (lam = lam_scale / B at each step's budget) gets that tilt at
+    every budget through the one resolver, from a budget, a compression or k; a fixed lam the caller
+    sets is compared with the trained tilt at that B."""
+    from kvpop.cache import ScorerSettingsWarning
+    from kvpop.config import TrainedSettings
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    scorer = _policy("kvpop-mlp", model).scorer
+    trained = {"budget_range": [24, 48], "window_fraction": 0.5, "lam": 0.0, "lam_scale": 0.48}
+    t = TrainedSettings.from_meta(trained)
+    assert t.lam_at(24) == pytest.approx(0.02) and t.lam_at(48) == pytest.approx(0.01)
+    assert "lam 0.48 / B" in t.describe() and TrainedSettings.from_meta(t.to_meta()) == t
+    pol = LearnedPolicy(scorer, trained_for=trained)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScorerSettingsWarning)
+        assert KVpopCache(model.config, budget=24, policy=pol).eviction.lam == pytest.approx(0.02)
+        assert KVpopCache(model.config, budget=48, policy=pol).eviction.lam == pytest.approx(0.01)
+        c = KVpopCache(model.config, compression=0.5, reference_length=64, policy=pol)
+        assert c.eviction.lam == pytest.approx(0.48 / 32)
+        c = KVpopCache(model.config, k=14, window=16, policy=pol)  # B = 4 + 16 + 14 = 34, known after the split
+        assert c.eviction.budget == 34 and c.eviction.lam == pytest.approx(0.48 / 34)
+    with pytest.warns(ScorerSettingsWarning, match=r"lam 0.02 \(trained: 0.01 at B=48\)"):
+        KVpopCache(model.config, budget=48, lam=0.02, policy=pol)
+
+
 def test_older_checkpoint_metadata_reads_as_a_range_and_a_fraction():
     """Shipped checkpoints list exact budgets and windows (``{"512": 256, "1024": 512}``, fraction null
     in the adapter bundle): they read as budgets 512..1024 at window B / 2, so B = 384 gets 192, not a

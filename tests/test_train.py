@@ -259,6 +259,42 @@ def test_budget_range_draws_log_uniform_budgets_at_the_nearest_captured_window()
     assert tf["budget_range"] == [128, 2048] and tf["window_fraction"] == 0.5 and tf["budgets"] is None
 
 
+def test_lam_scale_trains_each_budget_at_its_own_tilt():
+    cfg = TrainConfig(budget_range=(128, 2048), window_fraction=0.5, seq_len=8192, lam_scale=0.5)
+    cfg.validate()
+    for s in range(20):
+        ev = cfg.step_eviction(s)
+        assert ev.lam == pytest.approx(0.5 / ev.budget)
+    assert cfg.eviction(256).lam == pytest.approx(0.5 / 256)
+    tf = cfg.trained_settings()
+    assert tf["lam_scale"] == 0.5 and tf["lam"] == 0.0
+    assert cfg.resume_view()["lam_scale"] == 0.5 and "lam_scale" not in TrainConfig().resume_view()
+    with pytest.raises(ValueError, match="lam_scale must be a finite number > 0"):
+        TrainConfig(lam_scale=-1.0).validate()
+    with pytest.raises(ValueError, match="lam .* or lam_scale .*, not both"):
+        TrainConfig(lam=1e-3, lam_scale=0.5).validate()
+
+
+def test_lam_scale_run_records_the_rule_and_caches_follow_it(tmp_path, docs):
+    import warnings
+
+    from kvpop import KVpopCache
+    from kvpop.config import ScorerSettingsWarning
+    from kvpop.policies import LearnedPolicy
+
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    summary = train(_cfg(tmp_path, docs, scorer="mlp", steps=2, budget_range=(12, 48), window=None, lam_scale=0.24,
+                         val_every=2), model, tok)  # fmt: skip
+    assert summary["history"]
+    scorer, meta = load_scorer(tmp_path / "scorer.safetensors", model=model)
+    assert meta["trained_for"]["lam_scale"] == 0.24
+    pol = LearnedPolicy(scorer, trained_for=meta["trained_for"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScorerSettingsWarning)
+        for budget in (12, 24, 48):
+            assert KVpopCache(model.config, budget=budget, policy=pol).eviction.lam == pytest.approx(0.24 / budget)
+
+
 def test_budget_range_run_serves_every_budget_in_its_range(tmp_path, docs):
     """A scorer trained over a budget range defaults to its trained fraction at any budget inside it
     (no warning) and warns outside, naming the range (issue #23)."""

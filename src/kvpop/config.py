@@ -289,7 +289,7 @@ class TrainedSettings:
 
     ``budget_range``: the budgets training drew from (inclusive); ``window_fraction``: the window
     was ``round(fraction * B)`` at every budget (or ``window``: one fixed window); ``lam``: the
-    recency tilt its loss used. Older checkpoints list exact ``budgets`` and ``windows``; they are
+    recency tilt its loss used, or ``lam_scale``: the tilt was ``lam_scale / B`` at every budget. Older checkpoints list exact ``budgets`` and ``windows``; they are
     read as the range of those budgets and the fraction their windows share.
     """
 
@@ -297,6 +297,7 @@ class TrainedSettings:
     window_fraction: float | None = None
     window: int | None = None
     lam: float = 0.0
+    lam_scale: float | None = None
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any] | None) -> TrainedSettings | None:
@@ -324,17 +325,23 @@ class TrainedSettings:
             window_fraction=None if fraction is None else float(fraction),
             window=None if window is None else int(window),
             lam=float(meta.get("lam") or 0.0),
+            lam_scale=None if meta.get("lam_scale") is None else float(meta["lam_scale"]),
         )
 
     def to_meta(self) -> dict[str, Any]:
         return {"budget_range": None if self.budget_range is None else list(self.budget_range),
-                "window_fraction": self.window_fraction, "window": self.window, "lam": self.lam}  # fmt: skip
+                "window_fraction": self.window_fraction, "window": self.window, "lam": self.lam,
+                "lam_scale": self.lam_scale}  # fmt: skip
 
     def window_at(self, budget: int, sinks: int = 4) -> int:
         """The window this scorer was trained with at ``budget`` (its fraction of ``B``)."""
         if self.window is not None:
             return self.window
         return default_window(budget, sinks, self.window_fraction or DEFAULT_WINDOW_FRACTION)
+
+    def lam_at(self, budget: int) -> float:
+        """The recency tilt this scorer was trained with at ``budget``."""
+        return self.lam if self.lam_scale is None else self.lam_scale / budget
 
     def covers(self, budget: int) -> bool:
         return self.budget_range is None or self.budget_range[0] <= budget <= self.budget_range[1]
@@ -345,7 +352,7 @@ class TrainedSettings:
             parts.append(f"budgets {self.budget_range[0]}..{self.budget_range[1]}")
         parts.append(f"window {self.window}" if self.window is not None
                      else f"window {self.window_fraction or DEFAULT_WINDOW_FRACTION:g} x B")  # fmt: skip
-        parts.append(f"lam {self.lam:g}")
+        parts.append(f"lam {self.lam:g}" if self.lam_scale is None else f"lam {self.lam_scale:g} / B")
         return ", ".join(parts)
 
 
@@ -374,8 +381,12 @@ def resolve_eviction(
         window, lam = args.window, args.lam
         if window is None and args.k is None and resolved_budget:
             window = trained.window_at(b, args.sinks if isinstance(args.sinks, int) else 4)
-        args = replace(args, window=window, lam=trained.lam if lam is None else lam)
+        if lam is None and trained.lam_scale is None:
+            lam = trained.lam
+        args = replace(args, window=window, lam=lam)
     ev = split_budget(args)
+    if trained is not None and args.lam is None:  # lam_scale / B: known once the split is (k may give B)
+        ev = replace(ev, lam=trained.lam_at(ev.budget))
     if warn and trained is not None:
         note = settings_note(ev, trained, source)
         if note:
@@ -392,8 +403,8 @@ def settings_note(ev: EvictionConfig, trained: TrainedSettings, source: str = "t
     want = trained.window_at(ev.budget, ev.sinks)
     if abs(ev.window - want) > max(1, 0.1 * want):
         problems.append(f"window {ev.window} (trained: {want} at B={ev.budget})")
-    if abs(ev.lam - trained.lam) > 1e-12:
-        problems.append(f"lam {ev.lam:g} (trained: {trained.lam:g})")
+    if abs(ev.lam - trained.lam_at(ev.budget)) > 1e-12:
+        problems.append(f"lam {ev.lam:g} (trained: {trained.lam_at(ev.budget):g} at B={ev.budget})")
     if not problems:
         return None
     chosen = len(problems) > (0 if trained.covers(ev.budget) else 1)  # a window or lam the caller set

@@ -132,16 +132,27 @@ class AdaptConfig(RunSettings):
             return default_window(budget, self.sinks, self.window_fraction)
         return resolve_eviction(budget, sinks=self.sinks, lam=0.0, trained=self.trained_settings(), warn=False).window
 
-    def lam_value(self) -> float:
+    def lam_scale(self) -> float | None:
+        """The starting scorer's ``lam_scale`` when the run follows it (lam = lam_scale / B), else None."""
+        if self.mask == "streaming" or self.lam is not None:
+            return None
+        trained = self.trained_settings()
+        return None if trained is None else trained.lam_scale
+
+    def lam_value(self, budget: int | None = None) -> float:
+        """The recency tilt at ``budget``: the run's ``lam``, or the starting scorer's (its ``lam_scale / B``
+        when it scales with the budget; 0 without a budget, which is what ``trained_for`` then records)."""
         if self.mask == "streaming":
             return 0.0
         if self.lam is not None:
             return float(self.lam)
         trained = self.trained_settings()
-        return 0.0 if trained is None else trained.lam
+        if trained is None:
+            return 0.0
+        return trained.lam if trained.lam_scale is None or budget is None else trained.lam_at(budget)
 
     def eviction(self, budget: int) -> EvictionConfig:
-        return EvictionConfig.from_budget(budget, window=self.window_for(budget), sinks=self.sinks, lam=self.lam_value())
+        return EvictionConfig.from_budget(budget, window=self.window_for(budget), sinks=self.sinks, lam=self.lam_value(budget))
 
     def step_eviction(self, step: int) -> EvictionConfig:
         """The budget and split of step ``step`` (deterministic per seed and step): one of ``budgets``, or
@@ -171,6 +182,7 @@ class AdaptConfig(RunSettings):
             "windows": {str(b): self.window_for(b) for b in self.budgets} if self.budget_range is None else None,
             "sinks": self.sinks,
             "lam": self.lam_value(),
+            "lam_scale": self.lam_scale(),
             "seq_len": self.seq_len,
         }
 
@@ -179,6 +191,8 @@ class AdaptConfig(RunSettings):
         view = {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in RESUME_KEYS}
         view["windows"] = {str(b): self.window_for(b) for b in self.budgets}
         view["lam"] = self.lam_value()
+        if self.lam_scale() is not None:  # only runs from such a scorer record it: older runs resume as before
+            view["lam_scale"] = self.lam_scale()
         view["scorer_sha256"] = self.scorer_sha256()
         return view
 

@@ -219,6 +219,8 @@ class Comparison:
             raise ValueError("give budgets (the bundle records none)")
         self.sinks = int(tf.get("sinks", 4) if sinks is None else sinks)
         self.lam = float(tf.get("lam") or 0.0) if lam is None else float(lam)
+        # a bundle whose tilt scales with the budget (lam = lam_scale / B), unless lam= was given
+        self.lam_scale = None if lam is not None or tf.get("lam_scale") is None else float(tf["lam_scale"])
         self.windows = {b: _window(tf, b, self.sinks, windows) for b in self.budgets}
         self.base_model = base_model.eval()
         adapted = load_adapter_bundle(copy.deepcopy(base_model), bundle, merge=merge)
@@ -255,9 +257,14 @@ class Comparison:
             self.rows["streaming+ dense"] = (stream_model, None, stream_source)
         self.settings = {
             "windows": {str(b): w for b, w in self.windows.items()}, "sinks": self.sinks, "lam": self.lam,
+            "lam_scale": self.lam_scale,
             "bundle": str(bundle), "streaming_bundle": None if streaming_bundle is None else str(streaming_bundle),
             "base_scorer": base_source, "merged": merge,
         }  # fmt: skip
+
+    def lam_at(self, budget: int) -> float:
+        """The learned rows' recency tilt at ``budget``."""
+        return self.lam if self.lam_scale is None else self.lam_scale / budget
 
     @torch.no_grad()
     def base_hidden(self, ids: torch.Tensor) -> torch.Tensor:
@@ -279,7 +286,7 @@ class Comparison:
             else:
                 stream = policy == "streaming"
                 cache = make_cache(m, policy, budget=b, window=b - self.sinks if stream else self.windows[b],
-                                   sinks=self.sinks, lam=0.0 if stream else self.lam)  # fmt: skip
+                                   sinks=self.sinks, lam=0.0 if stream else self.lam_at(b))  # fmt: skip
                 ph = hidden_states(m, ids, cache)
             out[b] = score_document(self.base_model, ids, base_hidden, ph, b)
         return out

@@ -19,8 +19,8 @@ from .streaming import StreamingPolicy
 from .tova import TovaPolicy
 
 DENSE = "dense"  # not a policy: no eviction, a plain transformers cache
-# the shipped MLP scorer: trained over every budget 128..2,048 (the mLSTM, policy "kvpop", only at 512 and
-# 1,024) and the better of the two on the test grid (docs/evaluation.md); with an adapter bundle: default_policy
+# the shipped MLP scorer: both shipped scorers are trained over every budget 128..2,048, and the MLP is the
+# better of the two on the test grids (docs/evaluation.md); with an adapter bundle: default_policy
 DEFAULT_POLICY = "kvpop-mlp"
 
 POLICIES: dict[str, Callable[..., Policy]] = {

@@ -40,6 +40,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="folder that keeps the validation baseline (dense, StreamingLLM) for later runs of a sweep")
     p.add_argument("--window", type=int, default=None, help="protected window (default: --window-fraction of B)")
     p.add_argument("--window-fraction", type=float, default=d.window_fraction)
+    p.add_argument("--lam-scale", type=float, default=None,
+                   help="instead of --lam: the recency tilt scales with the budget, lam = LAM_SCALE / B at each "
+                        "step (and in caches built from the scorer)")
     p.add_argument("--observed", type=_observed, default=d.observed,
                    help="observed-attention inputs: comma-separated observation windows, 'all' = the whole window, "
                         "'none' = keys and values only (default all,32,1)")  # fmt: skip

@@ -53,6 +53,9 @@ class TrainConfig(RunSettings):
     window_fraction: float = 0.5
     sinks: int = 4
     lam: float = 0.0  # global recency tilt: teacher ranks by target + lam*t, the margin compares priorities
+    # instead of lam: the tilt scales with the budget, lam = lam_scale / B at each step's B (the same
+    # priority difference then spans the same share of the k slots at every budget; caches resolve it so)
+    lam_scale: float | None = None
     loss: str = "boundary"  # "boundary" | "mse"
     weighting: str = "mass"  # boundary decisions weighted "uniform" or by the attention "mass" at stake
     tau: float = 1.0
@@ -96,8 +99,12 @@ class TrainConfig(RunSettings):
             return int(self.window)
         return default_window(budget, self.sinks, self.window_fraction)
 
+    def lam_at(self, budget: int) -> float:
+        """The recency tilt at ``budget``: ``lam``, or ``lam_scale / B``."""
+        return self.lam if self.lam_scale is None else self.lam_scale / budget
+
     def eviction(self, budget: int) -> EvictionConfig:
-        return EvictionConfig.from_budget(budget, window=self.window_for(budget), sinks=self.sinks, lam=self.lam)
+        return EvictionConfig.from_budget(budget, window=self.window_for(budget), sinks=self.sinks, lam=self.lam_at(budget))
 
     def window_grid(self) -> tuple[int, ...]:
         """The windows a budget-range run trains at: ``windows_per_octave`` per doubling, log-spaced from
@@ -151,7 +158,7 @@ class TrainConfig(RunSettings):
         """``budget`` with the captured window nearest the one inference uses (the targets exist for it)."""
         want = self.window_for(budget)
         window = min(self.window_grid(), key=lambda w: abs(math.log(w / want)))
-        return EvictionConfig.from_budget(budget, window=window, sinks=self.sinks, lam=self.lam)
+        return EvictionConfig.from_budget(budget, window=window, sinks=self.sinks, lam=self.lam_at(budget))
 
     def trained_settings(self) -> dict:
         """The checkpoint's ``trained_for``: what caches default to (``kvpop.config.TrainedSettings``)."""
@@ -161,6 +168,7 @@ class TrainConfig(RunSettings):
             "window_fraction": None if self.window is not None else self.window_fraction,
             "window": self.window,
             "lam": self.lam,
+            "lam_scale": self.lam_scale,
             "budgets": list(self.budgets) if self.budget_range is None else None,
             "window_grid": list(self.window_grid()),
             "sinks": self.sinks,
@@ -172,6 +180,8 @@ class TrainConfig(RunSettings):
         view = {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in RESUME_KEYS}
         if not view["cross_heads"]:  # runs from before the option resume as they always did
             del view["cross_heads"]
+        if self.lam_scale is not None:  # likewise: only runs that set it record it
+            view["lam_scale"] = self.lam_scale
         return view
 
     def validate(self) -> None:
@@ -185,6 +195,12 @@ class TrainConfig(RunSettings):
             raise ValueError(f"weighting must be 'uniform' or 'mass', got {self.weighting!r}")
         if not self.budgets:
             raise ValueError("give at least one budget")
+        if self.lam_scale is not None:
+            v = self.lam_scale
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"lam_scale must be a finite number > 0, got {v!r}")
+            if self.lam:
+                raise ValueError(f"give lam ({self.lam}) or lam_scale ({v}), not both")
         if not (0.0 < self.window_fraction < 1.0):
             raise ValueError(f"window_fraction must be in (0, 1), got {self.window_fraction}")
         if self.windows_per_sequence < 0:

@@ -70,7 +70,7 @@ class RetentionProbe:
             h = hashlib.sha256(json.dumps(model_fingerprint(model), sort_keys=True).encode())
             for _, ids in docs:
                 h.update(ids.numpy().tobytes())
-            h.update(f"{cfg.sinks}:{cfg.lam}".encode())
+            h.update(f"{cfg.sinks}:{cfg.lam}".encode())  # StreamingLLM ignores lam; kept so old keys still match
             self._key = h.hexdigest()[:16]
             dense = self.cache_dir / f"dense_{self._key}.pt"
             if dense.is_file():
@@ -88,8 +88,8 @@ class RetentionProbe:
     def _run(self, policy, budget: int) -> dict:
         cfg = self.cfg
         label = f"validation {'StreamingLLM' if policy == 'streaming' else 'scorer'} B={budget}" if cfg.progress else None
-        s = self.probe.score(self.model, policy, budget, window=cfg.window_for(budget), sinks=cfg.sinks, lam=cfg.lam,
-                             progress=label)  # fmt: skip
+        s = self.probe.score(self.model, policy, budget, window=cfg.window_for(budget), sinks=cfg.sinks,
+                             lam=cfg.lam_at(budget), progress=label)  # fmt: skip
         m = s.lm().metrics()
         return {"retention": m["retention"], "kl": m["kl"], "continuation": s.continuation().retention,
                 "per_doc": s.per_doc_rows("corpus")}  # fmt: skip
