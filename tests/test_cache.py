@@ -313,6 +313,16 @@ def test_a_tilt_that_scales_with_the_budget_resolves_per_budget_and_warns_on_oth
         assert c.eviction.budget == 34 and c.eviction.lam == pytest.approx(0.48 / 34)
     with pytest.warns(ScorerSettingsWarning, match=r"lam 0.02 \(trained: 0.01 at B=48\)"):
         KVpopCache(model.config, budget=48, lam=0.02, policy=pol)
+    # with a floor (lam and lam_scale both recorded): lam_scale / B until it falls below lam
+    floored = {**trained, "lam": 0.015}
+    t = TrainedSettings.from_meta(floored)
+    assert t.lam_at(24) == pytest.approx(0.02) and t.lam_at(48) == pytest.approx(0.015)
+    assert "lam max(0.015, 0.48 / B)" in t.describe()
+    pol = LearnedPolicy(scorer, trained_for=floored)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ScorerSettingsWarning)
+        assert KVpopCache(model.config, budget=24, policy=pol).eviction.lam == pytest.approx(0.02)
+        assert KVpopCache(model.config, budget=48, policy=pol).eviction.lam == pytest.approx(0.015)
 
 
 def test_older_checkpoint_metadata_reads_as_a_range_and_a_fraction():

@@ -202,6 +202,33 @@ def test_invalid_leftover_cache_folder_is_replaced(tmp_path, kvpop_cache):
     assert _cache_entries(kvpop_cache) == [folder.name]
 
 
+def test_concurrent_loads_convert_once_and_both_load(tmp_path, kvpop_cache):
+    """Two processes (the ranks of a torchrun) loading one GGUF at once, over an invalid leftover:
+    one converts, the other waits for it, and neither sees a folder without its config.json."""
+    import os
+    import subprocess
+    import sys
+
+    gguf_path = tmp_path / "tiny.gguf"
+    ref = write_tiny_gguf(gguf_path, seed=3)
+    folder = gguf_cache_folder(gguf_path)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no marker: invalid
+    code = ("import sys, torch; from kvpop.models import load_model; "
+            "m, _ = load_model(sys.argv[1], progress=True); "
+            "print(float(m(torch.tensor([[1, 40, 77, 84]])).logits.sum()))")  # fmt: skip
+    env = {**os.environ, "KVPOP_CACHE_DIR": str(kvpop_cache), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(gguf_path)], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    assert sum("converting tiny.gguf" in err for _, err in outs) == 1
+    with torch.no_grad():
+        want = float(ref(torch.tensor([[1, 40, 77, 84]])).logits.sum())
+    assert [float(out) for out, _ in outs] == pytest.approx([want, want], abs=1e-3)
+    assert _cache_entries(kvpop_cache) == [folder.name]
+
+
 def test_unsupported_gguf_architecture(tmp_path, kvpop_cache):
     import gguf
     import numpy as np

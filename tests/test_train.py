@@ -271,8 +271,11 @@ def test_lam_scale_trains_each_budget_at_its_own_tilt():
     assert cfg.resume_view()["lam_scale"] == 0.5 and "lam_scale" not in TrainConfig().resume_view()
     with pytest.raises(ValueError, match="lam_scale must be a finite number > 0"):
         TrainConfig(lam_scale=-1.0).validate()
-    with pytest.raises(ValueError, match="lam .* or lam_scale .*, not both"):
-        TrainConfig(lam=1e-3, lam_scale=0.5).validate()
+    # with lam as well, lam is the floor: lam_scale / B below 1,000, lam above
+    floor = TrainConfig(budget_range=(128, 2048), window_fraction=0.5, seq_len=8192, lam=5e-4, lam_scale=0.5)
+    floor.validate()
+    assert [floor.lam_at(b) for b in (250, 1000, 2000)] == pytest.approx([2e-3, 5e-4, 5e-4])
+    assert floor.trained_settings()["lam"] == 5e-4 and floor.trained_settings()["lam_scale"] == 0.5
 
 
 def test_lam_scale_run_records_the_rule_and_caches_follow_it(tmp_path, docs):

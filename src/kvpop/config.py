@@ -279,6 +279,15 @@ def default_window(budget: int, sinks: int = 4, fraction: float = DEFAULT_WINDOW
     return max(1, min(window, budget - sinks)) if budget > sinks else window
 
 
+def tilt_at(budget: int, lam: float = 0.0, lam_scale: float | None = None) -> float:
+    """The recency tilt at ``budget``: ``lam``, or ``lam_scale / B`` with ``lam`` as its floor.
+
+    The one rule for training steps, adaptation masks and every cache: a scorer trained so resolves the
+    same tilt at the same B wherever it is used (a floor keeps large budgets at a fixed tilt).
+    """
+    return float(lam) if lam_scale is None else max(float(lam), lam_scale / budget)
+
+
 class ScorerSettingsWarning(UserWarning):
     """A learned scorer is used at a budget, window or recency tilt it was not trained for."""
 
@@ -289,7 +298,8 @@ class TrainedSettings:
 
     ``budget_range``: the budgets training drew from (inclusive); ``window_fraction``: the window
     was ``round(fraction * B)`` at every budget (or ``window``: one fixed window); ``lam``: the
-    recency tilt its loss used, or ``lam_scale``: the tilt was ``lam_scale / B`` at every budget. Older checkpoints list exact ``budgets`` and ``windows``; they are
+    recency tilt its loss used, or with ``lam_scale`` the tilt was ``lam_scale / B`` at every budget, never
+    below ``lam`` (:func:`tilt_at`). Older checkpoints list exact ``budgets`` and ``windows``; they are
     read as the range of those budgets and the fraction their windows share.
     """
 
@@ -341,7 +351,7 @@ class TrainedSettings:
 
     def lam_at(self, budget: int) -> float:
         """The recency tilt this scorer was trained with at ``budget``."""
-        return self.lam if self.lam_scale is None else self.lam_scale / budget
+        return tilt_at(budget, self.lam, self.lam_scale)
 
     def covers(self, budget: int) -> bool:
         return self.budget_range is None or self.budget_range[0] <= budget <= self.budget_range[1]
@@ -352,7 +362,10 @@ class TrainedSettings:
             parts.append(f"budgets {self.budget_range[0]}..{self.budget_range[1]}")
         parts.append(f"window {self.window}" if self.window is not None
                      else f"window {self.window_fraction or DEFAULT_WINDOW_FRACTION:g} x B")  # fmt: skip
-        parts.append(f"lam {self.lam:g}" if self.lam_scale is None else f"lam {self.lam_scale:g} / B")
+        if self.lam_scale is None:
+            parts.append(f"lam {self.lam:g}")
+        else:
+            parts.append(f"lam max({self.lam:g}, {self.lam_scale:g} / B)" if self.lam else f"lam {self.lam_scale:g} / B")
         return ", ".join(parts)
 
 

@@ -399,7 +399,34 @@ def convert_gguf(gguf_path: str | os.PathLike, progress: bool = True) -> Path:
     if _is_valid_cache(final):
         return final
     _inspect_gguf(gguf_path)  # clear errors for corrupt files / unsupported archs, before any work
+    # One conversion at a time per folder: the ranks of a torchrun (or two shells) that load the same
+    # GGUF at once wait for the first, then use its folder, instead of converting twice and racing to
+    # replace a leftover (which could pull a finished folder from under a rank already loading it).
+    with _conversion_lock(final):
+        if _is_valid_cache(final):
+            return final
+        return _convert_locked(gguf_path, final, progress)
 
+
+@contextlib.contextmanager
+def _conversion_lock(final: Path):
+    """An exclusive lock (``flock``) on ``final``'s conversion, kept outside the models folder."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the atomic rename below is still safe, only not exclusive
+        yield
+        return
+    locks = final.parent.parent / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{final.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _convert_locked(gguf_path: Path, final: Path, progress: bool) -> Path:
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     _cleanup_stale_tmp(parent)

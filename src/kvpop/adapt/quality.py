@@ -25,7 +25,7 @@ import torch
 from ..adapters import base_model, load_adapter_bundle, read_bundle_meta
 from ..cache import make_cache
 from ..checkpoint import load_scorer
-from ..config import TrainedSettings, resolve_eviction
+from ..config import TrainedSettings, resolve_eviction, tilt_at
 from ..policies import LearnedPolicy
 from ..quality import DocumentScore, Probe, Scores, Sums, hidden_states, score_document
 from ..train.data import SequenceSource
@@ -264,7 +264,7 @@ class Comparison:
 
     def lam_at(self, budget: int) -> float:
         """The learned rows' recency tilt at ``budget``."""
-        return self.lam if self.lam_scale is None else self.lam_scale / budget
+        return tilt_at(budget, self.lam, self.lam_scale)
 
     @torch.no_grad()
     def base_hidden(self, ids: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,9 @@ from .decode import DecodeSpec, decode_params, decode_scores, decode_spec
 from .mlp import KVpopMLP
 from .mlstm import KVpopMLSTM, MLSTMState
 
+# the learned tilt is softplus(theta) / TILT_SCALE per token: theta near 0 is a typical head's tilt
+TILT_SCALE = 1000.0
+
 __all__ = [
     "BaseScorer",
     "KVpopMLP",
@@ -29,6 +32,7 @@ __all__ = [
     "MLSTMState",
     "ScorerConfig",
     "ScorerStack",
+    "TILT_SCALE",
     "build_scorer",
     "feature_dim",
     "kv_features",
@@ -63,7 +67,7 @@ class ScorerStack(nn.ModuleList):
         if config.position_free:
             self.register_buffer("rope_inv_freq", torch.zeros(config.head_dim // 2))
         if config.tilt:
-            # lam_h = softplus(theta) / 1000 per token; init ~0.3 nats per 1k tokens (a typical head)
+            # lam_h = softplus(theta) / TILT_SCALE per token; init ~0.3 nats per 1k tokens (a typical head)
             self.tilt_theta = nn.Parameter(torch.full((config.num_layers, config.kv_heads), -1.0))
 
     @property
@@ -91,7 +95,7 @@ class ScorerStack(nn.ModuleList):
         """Per-(layer, head) recency tilt per token, ``[num_layers, kv_heads]`` (None without ``tilt``)."""
         if not self.config.tilt:
             return None
-        return F.softplus(self.tilt_theta) / 1000.0
+        return F.softplus(self.tilt_theta) / TILT_SCALE
 
     # --- inputs ---------------------------------------------------------------------------
     def _keys(self, k: Tensor, positions: Tensor | None) -> Tensor:

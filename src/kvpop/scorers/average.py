@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import ScorerStack
+from . import TILT_SCALE, ScorerStack
 
 __all__ = ["average_scorers"]
 
@@ -70,8 +70,8 @@ def average_scorers(stacks: Sequence[ScorerStack], weights: Sequence[float] | No
         if config.position_free:
             merged.rope_inv_freq.copy_(stacks[0].rope_inv_freq)
         if config.tilt:
-            lam = sum(s.tilt() * a for s, a in zip(stacks, weights))  # softplus(theta) / 1000, averaged
-            merged.tilt_theta.copy_(_inverse_softplus(lam * 1000.0))
+            lam = sum(s.tilt() * a for s, a in zip(stacks, weights))  # softplus(theta) / TILT_SCALE, averaged
+            merged.tilt_theta.copy_(_inverse_softplus(lam * TILT_SCALE))
     return merged.eval()
 
 

@@ -41,8 +41,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--window", type=int, default=None, help="protected window (default: --window-fraction of B)")
     p.add_argument("--window-fraction", type=float, default=d.window_fraction)
     p.add_argument("--lam-scale", type=float, default=None,
-                   help="instead of --lam: the recency tilt scales with the budget, lam = LAM_SCALE / B at each "
-                        "step (and in caches built from the scorer)")
+                   help="the recency tilt scales with the budget, lam = LAM_SCALE / B at each step (and in caches "
+                        "built from the scorer); with --lam as well, never below --lam")
     p.add_argument("--observed", type=_observed, default=d.observed,
                    help="observed-attention inputs: comma-separated observation windows, 'all' = the whole window, "
                         "'none' = keys and values only (default all,32,1)")  # fmt: skip

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import EvictionConfig, default_window
+from ..config import EvictionConfig, default_window, tilt_at
 from ..data import CORPORA
 from ..runs import RunSettings
 
@@ -53,7 +53,7 @@ class TrainConfig(RunSettings):
     window_fraction: float = 0.5
     sinks: int = 4
     lam: float = 0.0  # global recency tilt: teacher ranks by target + lam*t, the margin compares priorities
-    # instead of lam: the tilt scales with the budget, lam = lam_scale / B at each step's B (the same
+    # the tilt scales with the budget, lam = lam_scale / B at each step's B, never below lam (the same
     # priority difference then spans the same share of the k slots at every budget; caches resolve it so)
     lam_scale: float | None = None
     loss: str = "boundary"  # "boundary" | "mse"
@@ -100,8 +100,8 @@ class TrainConfig(RunSettings):
         return default_window(budget, self.sinks, self.window_fraction)
 
     def lam_at(self, budget: int) -> float:
-        """The recency tilt at ``budget``: ``lam``, or ``lam_scale / B``."""
-        return self.lam if self.lam_scale is None else self.lam_scale / budget
+        """The recency tilt at ``budget``: ``lam``, or ``lam_scale / B`` floored at ``lam``."""
+        return tilt_at(budget, self.lam, self.lam_scale)
 
     def eviction(self, budget: int) -> EvictionConfig:
         return EvictionConfig.from_budget(budget, window=self.window_for(budget), sinks=self.sinks, lam=self.lam_at(budget))
@@ -199,8 +199,6 @@ class TrainConfig(RunSettings):
             v = self.lam_scale
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"lam_scale must be a finite number > 0, got {v!r}")
-            if self.lam:
-                raise ValueError(f"give lam ({self.lam}) or lam_scale ({v}), not both")
         if not (0.0 < self.window_fraction < 1.0):
             raise ValueError(f"window_fraction must be in (0, 1), got {self.window_fraction}")
         if self.windows_per_sequence < 0:
