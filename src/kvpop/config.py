@@ -364,8 +364,10 @@ class TrainedSettings:
                      else f"window {self.window_fraction or DEFAULT_WINDOW_FRACTION:g} x B")  # fmt: skip
         if self.lam_scale is None:
             parts.append(f"lam {self.lam:g}")
+        elif self.lam:
+            parts.append(f"lam max({self.lam:g}, {self.lam_scale:g} / B)")
         else:
-            parts.append(f"lam max({self.lam:g}, {self.lam_scale:g} / B)" if self.lam else f"lam {self.lam_scale:g} / B")
+            parts.append(f"lam {self.lam_scale:g} / B")
         return ", ".join(parts)
 
 

@@ -416,7 +416,7 @@ def _conversion_lock(final: Path):
     except ImportError:  # no flock (Windows): the atomic rename below is still safe, only not exclusive
         yield
         return
-    locks = final.parent.parent / "locks"
+    locks = cache_dir() / "locks"
     locks.mkdir(parents=True, exist_ok=True)
     with open(locks / f"{final.name}.lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
