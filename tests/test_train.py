@@ -110,6 +110,26 @@ def test_capture_store_is_reused_and_guarded(tmp_path, docs):
         train(_cfg(tmp_path / "h", docs, scorer="mlp", val_docs=0, steps=2, store=str(store)), tiny_model("llama", seed=1), tok)
 
 
+def test_data_seed_reuses_the_store_for_a_seed_control(tmp_path, docs):
+    """--seed 1 --data-seed 0 trains another initialisation (and budget draws) on seed 0's sequences, so
+    seed 0's store serves it; --seed 1 alone is another data stream and is refused."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    store = tmp_path / "store"
+    train(_cfg(tmp_path / "cap", docs, store=str(store), capture_only=True, steps=4), model, tok)
+    base = train(_cfg(tmp_path / "s0", docs, scorer="mlp", val_docs=0, steps=4, store=str(store)), model, tok)
+    ctl = train(_cfg(tmp_path / "s1", docs, scorer="mlp", val_docs=0, steps=4, seed=1, data_seed=0,
+                     store=str(store)), model, tok)  # fmt: skip
+    fly = train(_cfg(tmp_path / "s1-fly", docs, scorer="mlp", val_docs=0, steps=4, seed=1, data_seed=0), model, tok)
+    # the same sequences as a capture on the fly with the same data seed, another scorer than seed 0's
+    assert [h["loss"] for h in ctl["history"]] == pytest.approx([h["loss"] for h in fly["history"]], rel=1e-3)
+    assert [h["loss"] for h in ctl["history"]] != pytest.approx([h["loss"] for h in base["history"]], rel=1e-3)
+    a, _ = load_scorer(tmp_path / "s0" / "scorer.safetensors")
+    b, _ = load_scorer(tmp_path / "s1" / "scorer.safetensors")
+    assert any(not torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+    with pytest.raises(ValueError, match="other settings"):
+        train(_cfg(tmp_path / "s1-own", docs, scorer="mlp", val_docs=0, steps=2, seed=1, store=str(store)), model, tok)
+
+
 def test_boundary_margin_compares_priorities_and_learns():
     """The margin adds lam * (t_new - t_bnd) (the tilt counted once), and one step on a batch lowers its loss."""
     g = torch.Generator().manual_seed(0)

@@ -35,6 +35,9 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--windows-per-sequence", type=int, default=d.windows_per_sequence,
                    help="--budget-range: targets for only this many windows of the grid per sequence (0: all); a "
                         "smaller store, budgets still log-uniform over the sequences")
+    p.add_argument("--data-seed", type=int, default=None,
+                   help="seed of the training text's order and windows (default --seed); another --seed with the "
+                        "same --data-seed reuses the capture store (a seed control without a new capture)")
     p.add_argument("--val-seq-len", type=int, default=None, help="tokens per validation window (default --seq-len)")
     p.add_argument("--val-cache", default=None,
                    help="folder that keeps the validation baseline (dense, StreamingLLM) for later runs of a sweep")

@@ -24,7 +24,7 @@ TRAIN_CORPORA = ("shakespeare", "wikipedia", "python_docs", "human_eval", "perl_
 # Fields that change what a checkpoint means: a resumed run must agree on them.
 RESUME_KEYS = ("scorer", "seq_len", "budgets", "budget_range", "windows_per_octave", "windows_per_sequence", "window", "window_fraction", "sinks", "lam", "loss", "weighting",
                "lr", "hidden", "dk", "dv", "position_free", "observed", "tilt", "cross_heads", "corpora", "docs_from", "seed",
-               "steps", "batch_size", "cycle")
+               "data_seed", "steps", "batch_size", "cycle")
 
 
 @dataclass
@@ -62,7 +62,10 @@ class TrainConfig(RunSettings):
     steps: int = 100
     lr: float = 3e-3
     weight_decay: float = 0.0
-    seed: int = 0
+    seed: int = 0  # the scorer's initialisation, each step's budget draw, and (without data_seed) the data
+    # the training text's order and windows (None: seed); a run with another seed and the same data_seed
+    # trains on the same sequences, so it reuses the capture store (a seed control costs no new capture)
+    data_seed: int | None = None
     hidden: int = 64
     dk: int = 32
     dv: int = 32
@@ -93,6 +96,11 @@ class TrainConfig(RunSettings):
         self.extra_windows = tuple(int(w) for w in self.extra_windows)
 
     # --- derived ------------------------------------------------------------------------
+    @property
+    def stream_seed(self) -> int:
+        """The seed of the training text's stream (``data_seed``, else ``seed``)."""
+        return self.seed if self.data_seed is None else int(self.data_seed)
+
     def window_for(self, budget: int) -> int:
         """The window at ``budget`` as inference resolves it (the trained fraction of ``B``)."""
         if self.window is not None:

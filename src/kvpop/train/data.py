@@ -95,7 +95,7 @@ class SequenceSource:
     def __init__(self, cfg: TrainConfig, tokenizer, split: str = "train", seed: int | None = None,
                  seq_len: int | None = None) -> None:  # fmt: skip
         self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
-        self.seed = cfg.seed if seed is None else seed
+        self.seed = cfg.stream_seed if seed is None else seed
         self.seq_len = cfg.seq_len if seq_len is None else seq_len
         self._it: Iterator | None = None
         self._next = 0
@@ -143,7 +143,7 @@ class CaptureStore:
             "format": STORE_FORMAT,
             "fingerprint": model_fingerprint(model),
             "data": {"corpora": list(cfg.corpora) if not cfg.docs_from else None, "docs_from": cfg.docs_from,
-                     "split": split, "seed": cfg.seed, "seq_len": cfg.seq_len},
+                     "split": split, "seed": cfg.stream_seed, "seq_len": cfg.seq_len},
             "sinks": cfg.sinks,
             "obs_windows": list(cfg.observed),
             "windows": list(cfg.capture_windows()),
