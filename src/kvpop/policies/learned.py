@@ -258,7 +258,7 @@ def learned_policy_factory(kind: str):
                     )
                 return LearnedPolicy(bundled, source=f"{folder} (adapter bundle)", trained_for=trained)
         if scorer is None:
-            path = path or default_scorer_path(kind)
+            path = path or default_scorer_path(kind, config if config is not None else getattr(model, "config", None))
             scorer, meta = load_scorer(path, model=model)
             fingerprint, source, trained = meta.get("fingerprint"), str(path), meta.get("trained_for")
         if scorer.config.kind != kind:
