@@ -30,7 +30,7 @@ def _row(q: dict) -> dict:
 
 
 def run_record(path: Path) -> dict:
-    state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=False)
+    state = torch.load(path / "train_state.pt", map_location="cpu", weights_only=True)
     cfg = state["config"]
     keep = ("joint", "lr", "scorer_lr", "steps", "seq_len", "budgets", "budget_range", "lora_r", "val_docs", "scorer")
     return {

@@ -45,7 +45,7 @@ def main() -> None:
     from kvpop.train.quality import VALIDATION_SEED
 
     torch.set_num_threads(1)
-    cfg = AdaptConfig.from_saved(torch.load(state, map_location="cpu", weights_only=False)["config"])
+    cfg = AdaptConfig.from_saved(torch.load(state, map_location="cpu", weights_only=True)["config"])
     t0 = time.time()
     model, tok = kvpop.load_model(cfg.model, progress=False)  # the run's base model
     scorers = {p: load_scorer(p, model=model)[0] for p in args.scorers}

@@ -86,7 +86,7 @@ def _summary(run: Path) -> dict:
         return json.loads((run / "summary.json").read_text())
     import torch
 
-    state = torch.load(run / "train_state.pt", map_location="cpu", weights_only=False)
+    state = torch.load(run / "train_state.pt", map_location="cpu", weights_only=True)
     return {"history": state.get("history", []), "baseline": state.get("baseline"), "best": state.get("best"),
             "config": state.get("config"), "restarts": state.get("restarts"), "tokens_seen": None,
             "seconds_this_process": None}

@@ -60,7 +60,7 @@ def main() -> None:
     from kvpop.files import write_json
 
     torch.set_num_threads(1)
-    blob = torch.load(state, map_location="cpu", weights_only=False)
+    blob = torch.load(state, map_location="cpu", weights_only=True)
     # the windows and lam come from the bundle's scorer (what a cache built on the bundle resolves)
     cfg = AdaptConfig.from_saved(blob["config"], scorer=str(bundle / SCORER_FILE), window=None,
                                  window_fraction=None, lam=None, out=str(Path(args.out).parent))

@@ -6,7 +6,11 @@ steps, written once for both:
 
 * the ranks (one process, or several under ``torchrun``: gloo on CPU, NCCL on CUDA);
 * the resume check: ``out/train_state.pt`` is read before the model loads and refused when its
-  settings (the config's ``resume_view``) or its model (fingerprint) differ from this run's;
+  settings (the config's ``resume_view``, with the content hash of a starting scorer file) or its
+  model (the weights' fingerprint) differ from this run's;
+* the state file's safety: it holds tensors and plain Python values only (:func:`plain`) and is read
+  with ``torch.load(weights_only=True)`` (:func:`read_state`), so reading it never runs code; a file
+  that needs more (pickled objects) is refused, as is an empty, truncated or corrupt one;
 * the schedule: ``steps`` steps, validation every ``val_every`` and at the end (rank 0; the best
   by ``mean_retention`` is kept), a checkpoint every ``ckpt_every`` and at the end (rank 0),
   ``stop_after`` to end a process early as if killed, and with ``check_sync`` a digest of the
@@ -20,14 +24,21 @@ A program implements :class:`Program`; the files it writes use :mod:`kvpop.files
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import errno
 import math
 import os
+import pickle
 import sys
 import time
+import zipfile
+from collections import OrderedDict
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
@@ -36,9 +47,86 @@ from .checkpoint import fingerprint_diff
 from .files import check_writable_dir, clean_leftovers, write_json
 
 __all__ = ["STATE_FILE", "Program", "Run", "RunSettings", "check_in_sync", "cosine_schedule", "digest",
-           "dist_setup", "resume_mismatch"]  # fmt: skip
+           "dist_setup", "plain", "read_state", "resume_mismatch", "write_state"]  # fmt: skip
 
 STATE_FILE = "train_state.pt"  # what a resume reads (the name predates kvpop adapt, which uses it too)
+# resume-view keys that hash a file's content, and the config field that names the file
+CONTENT_KEYS = {"scorer_sha256": "scorer"}
+
+
+def plain(obj: Any, where: str = "state") -> Any:
+    """``obj`` as tensors and plain Python values (dict, list, tuple, str, int, float, bool, None) only:
+    what ``torch.load(weights_only=True)`` reads back without running code. numpy values become Python
+    numbers or tensors, paths strings, enums their values, dataclasses dicts; anything else is a
+    ``TypeError`` here, when the state is written, rather than a run that cannot resume later."""
+    kind = type(obj)
+    if obj is None or kind in (bool, int, float, str):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj if kind is torch.Tensor else obj.detach()  # a Parameter or subclass as a plain tensor
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray) and obj.dtype != object:
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, enum.Enum):
+        return plain(obj.value, where)
+    for base, exact in ((int, int.__int__), (float, float.__float__), (str, str.__str__)):
+        if isinstance(obj, base):  # a subclass pickles as its own class
+            return exact(obj)
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return plain(asdict(obj), where)
+    if isinstance(obj, dict):
+        out: dict = OrderedDict() if isinstance(obj, OrderedDict) else {}
+        for k, v in obj.items():
+            key = plain(k, f"{where} key")
+            if not isinstance(key, (str, int, float, bool, type(None), tuple)):
+                raise TypeError(f"{where} has a key of type {type(key).__name__}, which a run state cannot hold")
+            out[key] = plain(v, f"{where}[{k!r}]")
+        if isinstance(obj, OrderedDict) and getattr(obj, "_metadata", None) is not None:  # a module's state_dict
+            out._metadata = plain(obj._metadata, f"{where}._metadata")
+        return out
+    if isinstance(obj, (list, tuple)):
+        items = [plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return tuple(items) if isinstance(obj, tuple) else items
+    raise TypeError(f"{where} holds a {kind.__module__}.{kind.__qualname__}: a run state holds tensors and plain "
+                    "Python values only, so that reading it back runs no code")  # fmt: skip
+
+
+def write_state(path: str | os.PathLike, state: dict) -> None:
+    """Write a run state (through :func:`plain`) for :func:`read_state`; use it under ``atomic_write``."""
+    torch.save(plain(state), path)
+
+
+def read_state(path: str | os.PathLike) -> dict:
+    """A run state written by :func:`write_state`, read without running code (``weights_only=True``).
+
+    Raises ``ValueError``, one line naming the file, for a file that is empty, truncated or corrupt,
+    and for one that holds pickled objects (a state of an older kvpop, or not kvpop's): unpickling
+    those could run any code."""
+    path = Path(path)
+    corrupt = f"{path} is empty/truncated or corrupt: remove it to start over or use another --out"
+    unsafe = (f"{path} cannot be loaded safely: it holds pickled Python objects, not only tensors and plain values "
+              "(written by an older kvpop, or not by kvpop); start a new --out folder")  # fmt: skip
+    if path.stat().st_size == 0:
+        raise ValueError(corrupt)
+    if not zipfile.is_zipfile(path):  # kvpop writes torch's zip format; the legacy one is a bare pickle
+        with open(path, "rb") as f:
+            raise ValueError(unsafe if f.read(1) == b"\x80" else corrupt)
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ValueError(unsafe if "weights only" in str(exc).lower() else corrupt) from exc
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, None):  # unreadable (permissions, I/O): the error says so already
+            raise
+        raise ValueError(corrupt) from exc
+    except Exception as exc:  # a damaged archive fails in the zip reader, the unpickler or torch
+        raise ValueError(corrupt) from exc
+    if isinstance(blob, dict):
+        return blob
+    raise ValueError(corrupt)  # a file, but not a run state
 
 
 def dist_setup(device: str) -> tuple[int, int]:
@@ -161,8 +249,19 @@ class Run:
         Call it before the model loads: a wrong ``--out`` is an error before any work."""
         if not self.state_file.exists():
             return None
-        blob = torch.load(self.state_file, map_location="cpu", weights_only=False)
-        diff = resume_mismatch(blob.get("resume", {}), self.cfg.resume_view())
+        blob = read_state(self.state_file)
+        saved, now = blob.get("resume") or {}, self.cfg.resume_view()
+        # a file the run trains under is compared by content (a path says nothing of what it holds)
+        changed = [k for k in CONTENT_KEYS if None not in (saved.get(k), now.get(k)) and saved[k] != now[k]]
+        diff = resume_mismatch({k: v for k, v in saved.items() if k not in changed},
+                               {k: v for k, v in now.items() if k not in changed})  # fmt: skip
+        if changed:
+            key = changed[0]
+            field = CONTENT_KEYS[key]
+            also = f" (other settings differ too: {'; '.join(diff)})" if diff else ""
+            raise ValueError(f"{self.out} holds a run that started from another {field}: {getattr(self.cfg, field)} is "
+                             f"not the file it started with (sha256 {now[key]} here, {saved[key]} in the run); use "
+                             f"that file, or another --out{also}")  # fmt: skip
         if diff:
             raise ValueError(f"{self.out} holds a run with other settings; use another --out or the same settings ("
                              + "; ".join(diff) + ")")  # fmt: skip
@@ -181,8 +280,9 @@ class Run:
         self.fingerprint = fingerprint
         diff = fingerprint_diff(saved or {}, fingerprint) if saved is not None else {}
         if diff:
-            raise ValueError(f"{self.out} holds a run on a different model ({', '.join(sorted(diff))} differ); use "
-                             "another --out, or the model it was started with")  # fmt: skip
+            raise ValueError(f"{self.out} holds a run on a different model: the model changed ("
+                             f"{', '.join(sorted(diff))} differ from the run's); use another --out, or the model it "
+                             "was started with")  # fmt: skip
 
     def restore(self, blob: dict) -> None:
         """Step, history and best of a checkpoint (the program restores its own weights)."""

@@ -50,7 +50,7 @@ from ..checkpoint import load_scorer, model_fingerprint, save_scorer
 from ..compat import enable_checkpointing
 from ..files import atomic_dir, atomic_write
 from ..mask import learned_priority_fn, masked_eviction
-from ..runs import Run, cosine_schedule
+from ..runs import Run, cosine_schedule, write_state
 from ..train.data import Example, SequenceSource, capture_example
 from ..train.labels import labels_for, layer_loss
 from .config import AdaptConfig
@@ -463,7 +463,7 @@ class Adaptation:
             baseline=self.baseline, restarts=self.restarts,
         )  # fmt: skip
         try:
-            atomic_write(run.state_file, lambda tmp: torch.save(state, tmp))
+            atomic_write(run.state_file, lambda tmp: write_state(tmp, state))
             save_bundle(self.model, self.scorer, run.out / "adapter", self.cfg, step, self.tokenizer, self.last_quality)
         except OSError as exc:
             raise run.write_failed(exc, step, f"{run.state_file.name} and adapter/ there are each whole (resume "

@@ -6,8 +6,10 @@ the future-attention targets for every window the run trains at, and the observe
 statistics. Sequences are numbered in the deterministic order of
 :func:`kvpop.data.training_windows`, so sequence ``j`` is the same on every rank and after a
 resume. A :class:`CaptureStore` keeps captures on disk (keys and values in float16) so a sweep
-of scorer settings, or a second scorer, reuses them instead of running the LLM again; without
-one every sequence is captured on the fly and dropped after its step.
+of scorer settings, or a second scorer, reuses them instead of running the LLM again; a run over
+a store trains on every sequence at the store's precision, whether it was read back or captured
+just now, so it does not depend on what the store already held. Without one every sequence is
+captured on the fly, used at full precision and dropped after its step.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ class SequenceSource:
     def __init__(self, cfg: TrainConfig, tokenizer, split: str = "train", seed: int | None = None,
                  seq_len: int | None = None) -> None:  # fmt: skip
         self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
-        self.seed = cfg.stream_seed if seed is None else seed
+        # kvpop adapt's config has no separate data seed: its stream follows its seed
+        self.seed = getattr(cfg, "stream_seed", cfg.seed) if seed is None else seed
         self.seq_len = cfg.seq_len if seq_len is None else seq_len
         self._it: Iterator | None = None
         self._next = 0
@@ -206,32 +209,45 @@ class CaptureStore:
     def has(self, j: int) -> bool:
         return self.path(j).is_file()
 
-    def save(self, j: int, ex: Example) -> None:
-        if ex.keys.shape[1] != 1:
-            raise ValueError("the store keeps one sequence per file")
-        tensors = {"keys": ex.keys[:, 0].half().contiguous().cpu(), "values": ex.values[:, 0].half().contiguous().cpu()}
-        # targets stay float32 (the teacher's labels come from their order, and close targets must not tie);
-        # the observed statistics are scorer inputs, sums of attention: bfloat16's ~3 significant digits
-        # halve them on disk (keys and values are float16)
-        for w, t in ex.targets.items():
-            tensors[f"target_{w}"] = t[:, 0].float().contiguous().cpu()
-        for w, o in ex.observed.items():
-            tensors[f"observed_{w}"] = o[:, 0].to(torch.bfloat16).contiguous().cpu()
+    def save(self, j: int, ex: Example) -> dict[str, Tensor]:
+        """Write sequence ``j``'s capture; returns the tensors written (``ex`` at the store's precision)."""
+        tensors = stored_tensors(ex)
         meta = {"corpus": ex.corpora[0]}
         atomic_write(self.path(j), lambda tmp: save_file(tensors, tmp, metadata={"kvpop": json.dumps(meta)}))
+        return tensors
 
     def load(self, j: int, windows, observed: bool = True) -> Example:
         with safe_open(str(self.path(j)), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("kvpop", "{}"))
+            return self.example(f.get_tensor, set(f.keys()), windows, observed, meta.get("corpus", "?"))
 
-            def get(name: str) -> Tensor:
-                return f.get_tensor(name).unsqueeze(1)
+    def example(self, get, names: set[str], windows, observed: bool, corpus: str) -> Example:
+        """The :class:`Example` of one stored sequence (tensor ``name`` is ``get(name)``, ``names`` those
+        there) with the targets of those of ``windows`` it has: one constructor for a sequence read
+        back and one just captured, so both reach the scorer at the same precision."""
 
-            have = set(f.keys())
-            windows = [w for w in windows if f"target_{w}" in have]
-            targets = {w: get(f"target_{w}") for w in windows}
-            observed = {w: get(f"observed_{w}") for w in windows} if observed and self.meta["obs_windows"] else {}
-            return Example(get("keys"), get("values"), targets, observed, [meta.get("corpus", "?")])
+        def one(name: str) -> Tensor:
+            return get(name).unsqueeze(1)
+
+        windows = [w for w in windows if f"target_{w}" in names]
+        targets = {w: one(f"target_{w}") for w in windows}
+        observed = {w: one(f"observed_{w}") for w in windows} if observed and self.meta["obs_windows"] else {}
+        return Example(one("keys"), one("values"), targets, observed, [corpus])
+
+
+def stored_tensors(ex: Example) -> dict[str, Tensor]:
+    """The tensors a store file keeps of ``ex`` (one sequence), at the precision it keeps them."""
+    if ex.keys.shape[1] != 1:
+        raise ValueError("the store keeps one sequence per file")
+    tensors = {"keys": ex.keys[:, 0].half().contiguous().cpu(), "values": ex.values[:, 0].half().contiguous().cpu()}
+    # targets stay float32 (the teacher's labels come from their order, and close targets must not tie);
+    # the observed statistics are scorer inputs, sums of attention: bfloat16's ~3 significant digits
+    # halve them on disk (keys and values are float16)
+    for w, t in ex.targets.items():
+        tensors[f"target_{w}"] = t[:, 0].float().contiguous().cpu()
+    for w, o in ex.observed.items():
+        tensors[f"observed_{w}"] = o[:, 0].to(torch.bfloat16).contiguous().cpu()
+    return tensors
 
 
 def example_for(j: int, source: SequenceSource, store: CaptureStore | None, model, cfg: TrainConfig) -> Example:
@@ -244,6 +260,9 @@ def example_for(j: int, source: SequenceSource, store: CaptureStore | None, mode
     obs = store.obs_windows if store is not None else cfg.observed  # a store stays uniform
     ex = capture_example(model, ids.view(1, -1), store.sequence_windows(j) if store else windows, cfg.sinks, obs,
                          [corpus])  # fmt: skip
-    if store is not None:
-        store.save(j, ex)
-    return ex.only(windows, observed=bool(cfg.observed))
+    if store is None:
+        return ex.only(windows, observed=bool(cfg.observed))
+    # as a later run (or this one, resumed) reads it back: a run over a store is the same run however
+    # much of the store it filled itself
+    tensors = store.save(j, ex)
+    return store.example(tensors.__getitem__, set(tensors), windows, bool(cfg.observed), corpus)

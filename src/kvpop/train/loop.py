@@ -22,7 +22,7 @@ from ..checkpoint import model_fingerprint, read_header, save_scorer, scorer_wri
 from ..config import attention_shape
 from ..files import atomic_writes
 from ..rope import RopeSpec
-from ..runs import Run, cosine_schedule
+from ..runs import Run, cosine_schedule, write_state
 from ..scorers import ScorerConfig, ScorerStack, build_scorer
 from .config import TrainConfig
 from .data import CaptureStore, Example, SequenceSource, capture_example, example_for
@@ -147,7 +147,7 @@ class ScorerTraining:
         blob = run.state(scorer=self.scorer.state_dict(), optimizer=self.opt.state_dict(),
                          scheduler=self.sched.state_dict())  # fmt: skip
         try:
-            atomic_writes([(run.state_file, lambda tmp: torch.save(blob, tmp)),
+            atomic_writes([(run.state_file, lambda tmp: write_state(tmp, blob)),
                            (run.out / "scorer.safetensors",
                             scorer_writer(self.scorer, _meta(self.cfg, step, run.fingerprint)))])  # fmt: skip
         except OSError as exc:
