@@ -8,15 +8,41 @@ what is done. ``--shard I/N`` runs one of N deterministic parts (processes may s
 from __future__ import annotations
 
 import argparse
+import math
+import operator
 import sys
 import time
 
 from ..data import SPLITS
+from ..files import check_writable_dir
 from ..options import load_model_quietly, policy_for_scorer
 from .core import ALL_POLICIES, PolicyUnavailable
 from .harness import EvalConfig, merge, parse_shard, quick_config, run_eval, table, unit_filter, user_documents
-from .store import StoreMismatch
-from .tasks import DEFAULT_TASKS, TASKS, TEXT_TASKS
+from .store import StoreMismatch, check_out
+from .tasks import DEFAULT_TASKS, MULTIKEY_NAMES, TASKS, TEXT_TASKS
+
+# every numeric argument's range (argparse dest -> conditions), checked by one checker before any model loads
+NUMBER_LIMITS: dict[str, tuple[tuple[str, float], ...]] = {
+    "compression": ((">", 0), ("<", 1)),
+    "reference_length": ((">=", 1),),
+    "sinks": ((">=", 0),),
+    "window": ((">=", 1),),
+    "window_fraction": ((">=", 0), ("<=", 1)),  # 0: each policy's own window
+    "lam": ((">=", 0),),
+    "docs": ((">=", 1),),
+    "doc_tokens": ((">=", 2),),  # one prediction at least
+    "continuation_tokens": ((">=", 1),),
+    "longdep_threshold": ((">=", 0),),
+    "needle_lengths": ((">=", 1),),
+    "needle_depths": ((">=", 0), ("<=", 1)),
+    "multikey_lengths": ((">=", 1),),
+    "multikey_cases": ((">=", 1),),
+    "multikey_keys": ((">=", 1), ("<=", len(MULTIKEY_NAMES))),
+    "agreement_tokens": ((">=", 1),),
+    "bootstrap": ((">=", 0),),  # 0: no intervals
+    "max_minutes": ((">", 0),),
+}
+_OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,32 +157,64 @@ def config_from_args(args) -> EvalConfig:
     return EvalConfig(**over)
 
 
+def check_numbers(args) -> None:
+    """Each numeric argument (each value of a list) against :data:`NUMBER_LIMITS`: a bad one is one error
+    naming its own flag, before any model loads (not a message about another argument later)."""
+    for dest, limits in NUMBER_LIMITS.items():
+        values = getattr(args, dest, None)
+        for v in values if isinstance(values, list) else [values]:
+            if v is not None and not (math.isfinite(v) and all(_OPS[op](v, bound) for op, bound in limits)):
+                rule = " and ".join(f"{op} {bound:g}" for op, bound in limits)
+                raise ValueError(f"--{dest.replace('_', '-')} must be {rule}, got {v}")
+
+
 def _err(msg: str) -> int:
     print(f"kvpop eval: error: {msg}", file=sys.stderr)
     return 2
 
 
+def _os_message(exc: OSError) -> str:
+    """An ``OSError`` as one line naming its file, without the ``[Errno N]`` prefix."""
+    what = exc.strerror or str(exc)
+    return f"{exc.filename}: {what}" if exc.filename else what
+
+
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if given and given[0] == "tasks":  # task accuracy (HumanEval, RULER): its own options, `kvpop eval tasks --help`
+        from .suite import main as tasks_main
+
+        return tasks_main(list(given[1:]))
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     if args.merge:
         try:
             keep = unit_filter(tasks=args.tasks, compressions=args.compression, policies=args.policies,
                                needle_lengths=args.needle_lengths, multikey_lengths=args.multikey_lengths)
+            check_writable_dir(args.out, "--out")
             results = merge(args.merge, args.out, plots=not args.no_plots, keep=keep)
-        except (FileNotFoundError, StoreMismatch, ValueError) as exc:
+        except (StoreMismatch, ValueError) as exc:
             return _err(str(exc))
+        except OSError as exc:
+            return _err(_os_message(exc))
         print(table(results))
         print(f"merged {len(args.merge)} folder(s): {len(results['units'])} units -> {args.out}/results.json, "
               f"{args.out}/table.md")  # fmt: skip
         return 0
     try:
+        check_numbers(args)
         cfg = config_from_args(args)
         cfg.budgets()  # validate before loading anything
         if args.shard:
-            parse_shard(args.shard)
-    except (TypeError, ValueError, OSError) as exc:
+            try:
+                parse_shard(args.shard)
+            except ValueError as exc:
+                raise ValueError(f"--{exc}" if str(exc).startswith("shard") else str(exc)) from None
+        check_out(args.out, write=not args.dry_run)
+    except (TypeError, ValueError) as exc:
         return _err(str(exc))
+    except OSError as exc:
+        return _err(_os_message(exc))
     model, tokenizer = load_model_quietly(args.model)
     documents = filler = None
     notes: list[str] = []
@@ -193,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         return _err(str(exc))
     except (StoreMismatch, ValueError) as exc:
         return _err(str(exc))
+    except OSError as exc:  # a folder made read-only, a full disk: one line, not a traceback
+        return _err(_os_message(exc))
     if args.dry_run:
         for s in results["shards"]:
             print(f"shard {s['shard']}: {s['items']} items {s['items_by_kind']}, {s['units']} units "

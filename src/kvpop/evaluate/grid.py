@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -172,8 +173,15 @@ class SharedStore:
         self.dir = Path(folder) / f"{item.kind}-{item.sha1}"
 
     def get(self, name: str) -> dict[str, Tensor] | None:
+        """The stored run, or None when absent or unreadable (damaged: it is a cache, computed again)."""
         f = self.dir / f"{name}.safetensors"
-        return load_file(str(f)) if f.exists() else None
+        if not f.exists():
+            return None
+        try:
+            return load_file(str(f))
+        except (SafetensorError, OSError):
+            f.unlink(missing_ok=True)
+            return None
 
     def put(self, name: str, tensors: dict[str, Tensor]) -> None:
         tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import hashlib
 import json
 import math
 import os
@@ -34,16 +35,17 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..checkpoint import DEFAULT_SCORERS, read_header
+from ..checkpoint import DEFAULT_SCORERS, WEIGHTS_SAMPLED_KEY, model_fingerprint, read_header
 from ..config import EvictionConfig, budget_of_compression
 from ..data import SPLITS, list_corpora, load_documents, long_documents, read_user_documents
 from ..policies import KIND_TO_POLICY
+from ..policies.learned import ADAPTER_ATTR
 from .core import ALL_POLICIES, DENSE, ORACLE, PolicyUnavailable, build_cache, policy_available
 from .grid import SHARED_DIR, Item, ItemContext, Settings, SharedStore, item_cost, partition, resolve_window, units_of
 from .plots import plot_results
 from .report import markdown_report, text_table
 from .stats import aggregate
-from .store import RecordStore, load_dirs, unit_key
+from .store import ADAPTER_KEY, FILE_HASH_KEY, WEIGHTS_KEY, RecordStore, check_fingerprint, load_dirs, unit_key
 from .tasks import DEFAULT_TASKS, TASKS, TEXT_TASKS, multikey_cases, needle_cases
 
 
@@ -313,12 +315,70 @@ def _model_name(model) -> str:
     return str(getattr(model.config, "_name_or_path", "") or type(model).__name__)
 
 
+@functools.lru_cache(maxsize=64)
+def _sha256_of(path: str, size: int, mtime_ns: int, ctime_ns: int, inode: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_sha256(path) -> str | None:
+    """sha256 of a file's bytes (None: no such file): a scorer replaced at the same path is another scorer.
+    Cached per file version (size, times, inode), since a process may fingerprint the same files many
+    times; not for a file changed in the last seconds, which a replacement within one timestamp tick
+    (same size, reused inode) could not be told from."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not os.path.isfile(path):
+        return None
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    recent = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < 5_000_000_000
+    return _sha256_of.__wrapped__(*key) if recent else _sha256_of(*key)
+
+
+def _adapter_fingerprint(model) -> dict | None:
+    """The adapter bundle ``model`` was loaded with (None: none) and one hash of all its files: its LoRA
+    weights change the outputs, and the base-weight hash reads through them."""
+    bundle = getattr(model, ADAPTER_ATTR, None)
+    folder = getattr(bundle, "path", None) or getattr(getattr(model, "config", None), ADAPTER_ATTR, None)
+    if not folder:
+        return None
+    folder = Path(folder)
+    h = hashlib.sha256()
+    for f in sorted(x for x in folder.rglob("*") if x.is_file()):
+        h.update(f"{f.relative_to(folder).as_posix()}:{file_sha256(f)};".encode())
+    return {"path": str(folder), FILE_HASH_KEY: h.hexdigest()[:16]}
+
+
+def _content_kwargs(cfg: EvalConfig) -> dict:
+    """``cfg.policy_kwargs`` as strings, with the sha256 of the scorer file each learned policy reads
+    (``path=`` or the shipped one; every learned policy's, so the fingerprint does not depend on
+    which policies a run selects)."""
+    given = cfg.policy_kwargs or {}
+    kwargs = {k: {a: str(b) for a, b in v.items()} for k, v in given.items()}
+    for kind, policy in KIND_TO_POLICY.items():
+        kw = given.get(policy) or {}
+        if kw.get("scorer") is not None:  # a scorer in memory: no file
+            continue
+        digest = file_sha256(kw.get("path") or DEFAULT_SCORERS[kind])
+        if digest is not None:
+            kwargs[policy] = {**kwargs.get(policy, {}), FILE_HASH_KEY: digest}
+    return dict(sorted(kwargs.items()))
+
+
 def fingerprint(model, cfg: EvalConfig) -> dict:
-    """What every unit record depends on besides its item, policy and budget (the split only when it is
-    not the test split, so folders made before the split was an option still resume and merge)."""
+    """What every unit record depends on besides its item, policy and budget: the settings, and the
+    content behind the paths (a hash of the model's weights, the scorer files' sha256, an adapter
+    bundle's files), so files replaced at the same path are not taken for the old ones (the split only
+    when it is not the test split, so folders made before the split was an option still resume and merge)."""
     fp = {
         "schema_version": SCHEMA_VERSION,
         "model": _model_name(model),
+        WEIGHTS_KEY: model_fingerprint(model)[WEIGHTS_SAMPLED_KEY],
         "reference_length": cfg.reference_length,
         "sinks": cfg.sinks,
         "window": cfg.window,
@@ -330,10 +390,13 @@ def fingerprint(model, cfg: EvalConfig) -> dict:
         "agreement_tokens": cfg.agreement_tokens,
         "multikey_keys": cfg.multikey_keys,
         "seed": cfg.seed,
-        "policy_kwargs": {k: {a: str(b) for a, b in v.items()} for k, v in sorted((cfg.policy_kwargs or {}).items())},
+        "policy_kwargs": _content_kwargs(cfg),
     }
     if cfg.split != "test":
         fp["split"] = cfg.split
+    adapter = _adapter_fingerprint(model)
+    if adapter is not None:
+        fp[ADAPTER_KEY] = adapter
     return fp
 
 
@@ -393,7 +456,7 @@ def run_eval(
     tag = "main" if shard is None else f"shard-{shard[0]}-of-{shard[1]}"
     fp = fingerprint(model, cfg)
     store = RecordStore(None if dry_run else out, fp, tag)
-    if dry_run and out is not None and (Path(out) / "run.json").exists():
+    if dry_run and out is not None and check_fingerprint(out, fp) is not None:  # its records serve this run
         _, done_units, _ = load_dirs([out])
         store.records = {u["key"]: u for u in done_units}
 
