@@ -244,13 +244,13 @@ def test_validate_bundle_shards_merge_to_the_unsharded_validation(tmp_path, docs
 
 
 def test_joint_diagnosis_scripts_read_the_run(tmp_path, docs, scorer_path):
-    """scripts/adapt_validations.py returns a run's own validations; scripts/scorer_loss_check.py
+    """research/adapt_validations.py returns a run's own validations; research/scorer_loss_check.py
     measures the very loss joint training descends: on the run's first training sequence, the starting
     scorer's loss is the one the run logged at step 1."""
     save_tiny_model(tmp_path / "base", seed=0)
     run = tmp_path / "run"
     s = adapt(_cfg(run, docs, scorer_path, model=str(tmp_path / "base"), steps=2, val_docs=1, joint=True))
-    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    scripts = Path(__file__).resolve().parents[1] / "research"
     out = tmp_path / "v.json"
     proc = subprocess.run([sys.executable, str(scripts / "adapt_validations.py"), str(run), "--out", str(out)],
                           check=False, capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -460,9 +460,6 @@ def test_unit_cost_estimate_grows_with_the_budget_and_matches_the_committed_8k_u
     tokens it is within a factor of 2 of the median of the committed grid's measured H2O / TOVA / SnapKV unit
     times at B = 384 and 2,048 (which themselves vary 1.7-fold with the machine's load; a per-token constant
     alone was two to seven times too low)."""
-    import statistics
-    from pathlib import Path
-
     import torch
 
     from kvpop.evaluate.grid import Item, item_cost
@@ -474,16 +471,9 @@ def test_unit_cost_estimate_grows_with_the_budget_and_matches_the_committed_8k_u
         return item_cost(item, [("dense", 384), (policy, b)]) - shared
 
     assert unit("h2o", 2048) > 2 * unit("h2o", 384) > 0
-    records = Path(__file__).resolve().parents[1] / "results" / "grid8k" / "heur-store" / "records"
-    if not records.is_dir():
-        pytest.skip("the committed 8k grid records are not in this checkout")
-    measured: dict[int, list[float]] = {384: [], 2048: []}
-    for f in records.glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            if r["policy"] in ("h2o", "tova", "snapkv") and r["tokens"] == 8000 and r["budget"] in measured:
-                measured[r["budget"]].append(r["wall_s"])
-    for b, times in measured.items():
-        assert times, b
-        ratio = unit("h2o", b) / statistics.median(times)
-        assert 1 / 2 < ratio < 2, (b, ratio, statistics.median(times))
+    # medians of the 27 heuristic units (h2o, tova, snapkv) per budget of the 8k grid (results/grid8k/heur-store),
+    # measured on one core of this machine
+    measured = {384: 86.76, 2048: 295.13}
+    for b, median in measured.items():
+        ratio = unit("h2o", b) / median
+        assert 1 / 2 < ratio < 2, (b, ratio, median)

@@ -5,9 +5,9 @@ For each scorer checkpoint given: the loss `kvpop adapt --joint` descends (its o
 of an adapt run's training stream and (b) its first ``--val`` validation windows, both captured on
 the run's base model, at every budget of the run (windows and lam as the run resolved them).
 Retention under the real cache of the same scorers comes from the runs themselves
-(``scripts/adapt_validations.py``). Prints and writes JSON.
+(``research/adapt_validations.py``). Prints and writes JSON.
 
-    OMP_NUM_THREADS=1 python scripts/scorer_loss_check.py --run runs/joint/frozen \
+    OMP_NUM_THREADS=1 python research/scorer_loss_check.py --run runs/joint/frozen \
         --scorers src/kvpop/assets/scorers/smollm2-135m-instruct-mlp.safetensors runs/joint/frozen/adapter/scorer.safetensors \
         --out results/adapt/joint/loss-frozen-step16.json
 """

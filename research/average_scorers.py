@@ -1,6 +1,6 @@
 """Average trained MLP scorers into one checkpoint (``kvpop.scorers.average.average_scorers``).
 
-    python scripts/average_scorers.py A.safetensors B.safetensors [--weights 0.5,0.5] --out AB.safetensors
+    python research/average_scorers.py A.safetensors B.safetensors [--weights 0.5,0.5] --out AB.safetensors
 
 The result is an ordinary ``kvpop-mlp`` checkpoint (hidden = the members' widths summed) whose score is
 the weighted mean of the members' scores; use it anywhere a scorer goes (``--scorer AB.safetensors``).

@@ -6,8 +6,8 @@ of steps, with the same recipe, over the same budget range; only the amount of d
 Runs are resumable (a finished run is skipped), and two workers split the queue (one per core).
 
   # fill the store first (see docs/training.md), then:
-  python scripts/scaling_curve.py run --store runs/capture/smollm2-8192 --out runs/scaling --workers 2
-  python scripts/scaling_curve.py report --out runs/scaling --json results/scaling/curve.json
+  python research/scaling_curve.py run --store runs/capture/smollm2-8192 --out runs/scaling --workers 2
+  python research/scaling_curve.py report --out runs/scaling --json results/scaling/curve.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Boundary-decision diagnostics of trained scorers: accuracy next to the trivial baselines, and
 per-layer / per-head accuracy as a heatmap, to see where a scorer fails (issue: diagnostics).
 
-    python scripts/decision_report.py runs/final/mlstm/summary.json runs/final/mlp/summary.json --out results/diagnostics
+    python research/decision_report.py runs/final/mlstm/summary.json runs/final/mlp/summary.json --out results/diagnostics
 
 Reads the ``validation_decisions`` block that ``kvpop train`` writes to ``summary.json`` (validation
 split only). Position-only scores are among the baselines: a recency score (newest first) always

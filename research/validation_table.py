@@ -1,7 +1,7 @@
 """Scorer runs side by side on their validation windows: retention under the real cache per budget, on lm
 and continuation, and per-window wins against a reference run (paired: the same windows).
 
-    python scripts/validation_table.py --reference "shipped=results/design/kvpop-mlp-1M.summary.json@123" \
+    python research/validation_table.py --reference "shipped=results/design/kvpop-mlp-1M.summary.json@123" \
         "cross-heads 8 seq=runs/design/cross-008/summary.json" --json results/design/validation.json
 
 Each argument is NAME=SUMMARY[@STEP]: a ``kvpop train`` summary.json (or a shipped scorer's summary), and the

@@ -4,7 +4,7 @@ Reads each run's ``train_state.pt`` (its starting baseline and every validation 
 prints lm and continuation retention per budget with the per-window lm retentions, and writes
 them as JSON (``--out``), so an experiment's record is committed as data, not as a log excerpt:
 
-    python scripts/adapt_validations.py runs/joint/frozen runs/joint/moving --out results/adapt/joint.json
+    python research/adapt_validations.py runs/joint/frozen runs/joint/moving --out results/adapt/joint.json
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Settings sweep for the learned scorer (issue: "settings chosen by measurement, on the validation split only").
+# Settings sweep for the learned scorer: settings chosen by measurement, on the validation split only.
 # Every run trains on the same first $CYCLE captured sequences of the store (fill it first with
 # `kvpop train --capture-only`, see README), for $STEPS steps, and ends with retention under the real
 # KVpopCache on validation windows of the training corpora (never the test split, never the held-out corpora).
-# Usage: bash scripts/sweep.sh [NAME ...]   (no names: all runs; runs already finished are skipped)
-# Two shells can split the list: bash scripts/sweep.sh base no_obs ... & bash scripts/sweep.sh wf25 ...
+# Usage: bash research/sweep.sh [NAME ...]   (no names: all runs; runs already finished are skipped)
+# Two shells can split the list: bash research/sweep.sh base no_obs ... & bash research/sweep.sh wf25 ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STORE=${STORE:-runs/capture/smollm2-4096}
@@ -32,6 +32,7 @@ declare -A RUNS=(
   [mlstm_multi]="--kind mlstm --budgets 256,512,1024"
 )
 ORDER=(base no_obs no_tilt no_posfree uniform wf25 mse multi mlstm h16 h128 lam5e-4 b1024_wf125 b1024_wf25 b1024_wf50 mlstm_multi)
+mkdir -p "$OUT"  # each run's log is written beside its folder, before the run creates anything
 names=("$@")
 [ ${#names[@]} -gt 0 ] || names=("${ORDER[@]}")
 for name in "${names[@]}"; do
@@ -40,6 +41,6 @@ for name in "${names[@]}"; do
   echo "[sweep] $name: kvpop train $args"
   start=$(date +%s)
   # shellcheck disable=SC2086
-  python -m kvpop.train --out "$OUT/$name" $args $COMMON > "$OUT/$name.log" 2>&1 || { mkdir -p "$OUT"; echo "[sweep] $name failed (see $OUT/$name.log)"; continue; }
+  python -m kvpop.train --out "$OUT/$name" $args $COMMON > "$OUT/$name.log" 2>&1 || { echo "[sweep] $name failed (see $OUT/$name.log)"; continue; }
   echo "[sweep] $name: $(( $(date +%s) - start )) s"
 done

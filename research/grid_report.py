@@ -6,7 +6,7 @@ Reads the unit records of ``kvpop eval`` results (``results.json``); policies fr
 same documents (matched by the document's sha1 and the budget) come in under a new name, e.g. the
 scorer an earlier grid evaluated::
 
-  python scripts/grid_report.py runs/grid/test/results.json \
+  python research/grid_report.py runs/grid/test/results.json \
       --extra "kvpop-mlp (516k, shipped before)=results/eval/results.json:kvpop-mlp" \
       --extra "kvpop adapted=runs/grid/adapted/results.json:adapted kvpop" \
       --json results/eval-2026-12/verdict.json

@@ -1,7 +1,7 @@
 """Mean learned score vs position on one long held-out document, for scorers that see post-RoPE keys
 and scorers that see keys with RoPE undone (issue: position-robust inputs).
 
-    python scripts/score_vs_position.py NAME=runs/sweep/base/scorer.safetensors NAME2=... --out results/diagnostics/score_vs_position
+    python research/score_vs_position.py NAME=runs/sweep/base/scorer.safetensors NAME2=... --out results/diagnostics/score_vs_position
 
 A scorer trained on 4,096-token windows is read up to 8,000 tokens: a drift of its mean score with
 position (beyond what the learned per-head tilt adds on purpose, which is subtracted here) means the

@@ -1,6 +1,6 @@
 """Collect the sweep's runs (runs/sweep/*/summary.json) into a markdown table and a JSON file.
 
-    python scripts/sweep_table.py [runs/sweep runs/final ...] [--json results/sweep.json]
+    python research/sweep_table.py [runs/sweep runs/final ...] [--json results/sweep.json]
 """
 
 import argparse

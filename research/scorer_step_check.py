@@ -6,8 +6,8 @@ mLSTM scorer, `kvpop.adapt.loop.scorer_step` + AdamW(LR) + the adapt schedule fo
 retention of 2 validation documents at 4,096 tokens under the real KVpopCache at B = 512 / 1,024,
 before (BEFORE=1) and after. Writes OUT/scorer_step_seq{SEQ}_lr{LR}.json (wall time in it).
 
-    OMP_NUM_THREADS=1 python scripts/scorer_step_check.py 2048 40 5e-4 1 results/adapt
-    OMP_NUM_THREADS=1 python scripts/scorer_step_check.py 4096 40 5e-4 0 results/adapt
+    OMP_NUM_THREADS=1 python research/scorer_step_check.py 2048 40 5e-4 1 results/adapt
+    OMP_NUM_THREADS=1 python research/scorer_step_check.py 4096 40 5e-4 0 results/adapt
 """
 import json
 import random
