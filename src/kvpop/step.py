@@ -37,6 +37,12 @@ __all__ = ["StepSpec", "check_scores", "decode_exits", "decode_learned", "decode
            "exit_gather", "prefill_chunk"]
 
 
+
+def ring_offset(t: Tensor, sinks: int, window: int) -> Tensor:
+    """The ring offset of token ``t`` (``t >= sinks``) in the window's ring buffer: it lives in slot
+    ``sinks + ring_offset`` until the token ``window`` places later takes that slot."""
+    return (t - sinks) % window
+
 @dataclass(frozen=True)
 class StepSpec:
     """The constants of one cache's steps (the same for all its layers; hashable: a compiled step is
@@ -69,7 +75,7 @@ def exit_gather(spec: StepSpec, K: Tensor, V: Tensor, OBS: Tensor | None, t: Ten
     None). In the warm-up, rows without an exit read an empty slot (their scores are ignored)."""
     s, w = spec.sinks, spec.window
     b, h, _, d = K.shape
-    ring_off = (t - s) % w  # ring slot of the exiting token, which the new token takes
+    ring_off = ring_offset(t, s, w)  # ring slot of the exiting token, which the new token takes
     slot = (s + ring_off).view(b, 1, 1, 1)
     ex_k = K.gather(2, slot.expand(b, h, 1, d))
     ex_v = V.gather(2, slot.expand(b, h, 1, V.shape[-1]))
@@ -127,7 +133,7 @@ def decode_tail(spec: StepSpec, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tens
         V.index_put_((bi, hi, dst), ex_v.view(b, h, -1))
         SI.index_put_((bi, hi, dst), ex_idx.view(b, 1).expand(b, h))
         LP.index_put_((bi, hi, dst - (s + w)), prio)
-    ring_off = (t - s) % w
+    ring_off = ring_offset(t, s, w)
     slot = s + ring_off if spec.full else torch.where(t < s, t, s + ring_off)  # warm-up: sinks first
     slot = slot.view(b, 1).expand(b, h)
     K.index_put_((bi, hi, slot), k_new.view(b, h, -1))
@@ -208,11 +214,11 @@ def _chunk(spec: StepSpec, st: LayerState, valid: Tensor, h: int, padded: bool) 
     s, w, n = spec.sinks, spec.window, spec.budget
     b, c = valid.shape
     new_idx = torch.where(valid, st.n_real.unsqueeze(1) + valid.long().cumsum(1) - 1, -1)
-    new_slot = torch.where(new_idx < s, new_idx, s + (new_idx - s) % w)
+    new_slot = torch.where(new_idx < s, new_idx, s + ring_offset(new_idx, s, w))
     new_slot = torch.where(valid, new_slot, n)  # padding -> trash slot
     # tokens leaving the window: one per new token with index >= s + w, in order
     ex_idx = torch.where(valid & (new_idx >= s + w), new_idx - w, -1)
-    ex_ring = torch.where(ex_idx >= 0, (ex_idx - s) % w, 0)
+    ex_ring = torch.where(ex_idx >= 0, ring_offset(ex_idx, s, w), 0)
     key_idx = torch.cat([st.held, new_idx.unsqueeze(1).expand(b, h, c)], dim=2)
     return _Chunk(valid, new_idx, new_slot, ex_idx, ex_ring, key_idx, padded)
 
@@ -325,7 +331,7 @@ def _chunk_commit(spec: StepSpec, st: LayerState, ch: _Chunk, k_new: Tensor, v_n
         ring_old, new_contrib = obs
         nobs = ring_old.shape[-1]
         ring_obs = torch.cat([ring_old, ring_old.new_zeros(b, h, 1, nobs)], dim=2)
-        at = torch.where(ch.valid & (ch.new_idx >= s), (ch.new_idx - s) % w, w).view(b, 1, c, 1).expand(b, h, c, nobs)
+        at = torch.where(ch.valid & (ch.new_idx >= s), ring_offset(ch.new_idx, s, w), w).view(b, 1, c, 1).expand(b, h, c, nobs)
         ring_obs.scatter_(2, at, new_contrib)
         st.observed.copy_(ring_obs[:, :, :w])
     st.n_real = st.n_real + ch.valid.long().sum(1)

@@ -7,7 +7,7 @@ with exactly ``sum_i a_i * score_i`` (``a_i`` the weights, summing to 1) and run
 a single MLP runs through (cache, compiled decode, vLLM), with no loop over members.
 
 Scorers trained on different text make partly independent ranking errors; averaging their scores
-is the cheapest way to cancel some of them (``scripts/average_scorers.py`` makes a checkpoint).
+is the cheapest way to cancel some of them (``research/average_scorers.py`` makes a checkpoint).
 """
 
 from __future__ import annotations
