@@ -4,7 +4,9 @@
         [--capture-command "..." --capture-wall-seconds S]
 
 Copies DIR/best.safetensors (the checkpoint with the best validation retention under the real
-cache) to src/kvpop/assets/scorers/smollm2-135m-instruct-<kind>.safetensors and writes
+cache) to src/kvpop/assets/scorers/<model>-<kind>.safetensors (``<model>`` the embedded model's
+name, ``--model``, else the run's model, else the default; a model whose licence does not let
+kvpop ship trained artefacts is refused) and writes
 <same>.summary.json: the training command, tokens seen (and unique tokens), wall time, the
 validation retention history and the boundary-decision diagnostics.
 
@@ -18,7 +20,8 @@ import json
 import shutil
 from pathlib import Path
 
-from kvpop.checkpoint import DEFAULT_SCORERS, read_header
+from kvpop.checkpoint import ASSETS, read_header
+from kvpop.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model
 from kvpop.files import atomic_writes
 
 
@@ -33,11 +36,20 @@ def main() -> None:
                    help="the file of DIR to ship (scorer.safetensors: the last checkpoint of a run without validation)")
     p.add_argument("--validation", default=None, help="the validation report the scorer was chosen on (recorded)")
     p.add_argument("--note", default="", help="recorded as is (how it was chosen, what is estimated)")
+    p.add_argument("--model", default=None,
+                   help="the embedded model it was trained for (default: the run's --model, else the default model)")
     args = p.parse_args()
     run = Path(args.run)
     summary = json.loads((run / "summary.json").read_text())
     kind = summary["config"]["scorer"]
-    dest = DEFAULT_SCORERS[kind]
+    name = args.model or summary["config"].get("model") or DEFAULT_MODEL.name
+    model = embedded_model(name)
+    if model is None:
+        raise SystemExit(f"ship_scorer: --model {name!r} is not an embedded model "
+                         f"({', '.join(m.name for m in EMBEDDED_MODELS)}); only their scorers ship with kvpop")
+    if not model.ships_artefacts:
+        raise SystemExit(f"ship_scorer: kvpop ships nothing trained on {model.title} ({model.licence}); see docs/models.md")
+    dest = ASSETS / f"{model.name}-{kind}.safetensors"
     best = run / args.checkpoint
     if not best.is_file():
         raise SystemExit(f"ship_scorer: {best} does not exist (a run without validation has no best.safetensors: "

@@ -436,8 +436,14 @@ def test_ship_scorer_ships_the_last_checkpoint_of_a_run_without_validation(tmp_p
     dest = assets / "smollm2-135m-instruct-mlp.safetensors"
     dest.write_bytes(b"old")
     dest.with_suffix(".summary.json").write_text("{}")
-    monkeypatch.setattr(ship, "DEFAULT_SCORERS", {"mlp": dest})
+    monkeypatch.setattr(ship, "ASSETS", assets)
     argv = ["ship_scorer.py", str(run), "--command", "kvpop train ...", "--unique-tokens", "32"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--checkpoint", "scorer.safetensors", "--model", "gemma3-270m"])
+    with pytest.raises(SystemExit, match="ships nothing trained on Gemma 3 270M"):
+        ship.main()
+    monkeypatch.setattr(sys, "argv", [*argv, "--checkpoint", "scorer.safetensors", "--model", "someorg/model"])
+    with pytest.raises(SystemExit, match="not an embedded model"):
+        ship.main()
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit, match="--checkpoint scorer.safetensors"):
         ship.main()
