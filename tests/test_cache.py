@@ -184,23 +184,24 @@ def test_left_padded_batch_equals_rows_alone(policy, dtype):
 
 
 def test_bad_inputs_raise_before_work():
+    """Budget arguments are checked whatever the policy (a heuristic here: no scorer fits a tiny model)."""
     cfg = tiny_model("llama").config
     with pytest.raises(ValueError, match="smaller than sinks \\+ window"):
-        KVpopCache(cfg, budget=10, window=8, sinks=4)
+        KVpopCache(cfg, budget=10, window=8, sinks=4, policy="streaming")
     with pytest.raises(ValueError, match="budget must be a positive int"):
-        KVpopCache(cfg, budget=0, window=1, sinks=0)
+        KVpopCache(cfg, budget=0, window=1, sinks=0, policy="streaming")
     with pytest.raises(ValueError, match="window must be"):
-        KVpopCache(cfg, budget=64, window=0)
+        KVpopCache(cfg, budget=64, window=0, policy="streaming")
     with pytest.raises(ValueError, match="sinks must be"):
-        KVpopCache(cfg, budget=64, sinks=-1)
+        KVpopCache(cfg, budget=64, sinks=-1, policy="streaming")
     with pytest.raises(ValueError, match="compression must be in \\(0, 1\\)"):
-        KVpopCache(cfg, compression=1.5, reference_length=4096)
+        KVpopCache(cfg, compression=1.5, reference_length=4096, policy="streaming")
     with pytest.raises(ValueError, match="compression must be in \\(0, 1\\)"):
-        KVpopCache(cfg, compression=0.0, reference_length=4096)
+        KVpopCache(cfg, compression=0.0, reference_length=4096, policy="streaming")
     with pytest.raises(ValueError, match="reference_length"):
-        KVpopCache(cfg, compression=0.5)
+        KVpopCache(cfg, compression=0.5, policy="streaming")
     with pytest.raises(ValueError, match="exactly one of"):
-        KVpopCache(cfg, budget=64, compression=0.5, reference_length=100)
+        KVpopCache(cfg, budget=64, compression=0.5, reference_length=100, policy="streaming")
     with pytest.raises(ValueError, match="unknown policy 'nope'; known policies"):
         KVpopCache(cfg, budget=64, policy="nope")
 

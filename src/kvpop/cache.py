@@ -124,8 +124,8 @@ class KVpopLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Defer insertion to the attention call, which knows the queries and the padding mask."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        if not self.is_initialized or (self.seen == 0 and not self._fits(key_states, value_states)):
+            self.lazy_initialization(key_states, value_states)  # first update, or a reset layer's next sequence
         # checked at the first bounded layer only: every forward passes it first (a config read is slow next to a
         # decode step)
         if self.policy_layer == 0 and not self.route.active:
@@ -147,7 +147,17 @@ class KVpopLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    def _fits(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether the allocated state takes these keys and values: after a reset the next sequence may
+        come in another batch size, dtype or device, which a fresh state is then allocated for."""
+        k, v = self.state.k, self.state.v
+        return (k.shape[0] == key_states.shape[0] and k.shape[1] == key_states.shape[1]
+                and k.shape[3] == key_states.shape[3] and v.shape[3] == value_states.shape[3]
+                and k.dtype == key_states.dtype and k.device == key_states.device)  # fmt: skip
+
     def reset(self) -> None:
+        """Empty the layer for a new sequence, as a fresh one: the buffers are emptied in place (a bound
+        compiled step keeps them) and the policy's per-sequence state (a scorer's) starts anew."""
         self.seen = 0
         self.pending = False
         if self.is_initialized:
@@ -407,6 +417,13 @@ class KVpopCache(Cache):
     Creating the cache routes ``model.config``'s attention through kvpop until the cache is
     detached (:meth:`detach`) or garbage-collected (``kvpop.attention.Route``); for any other
     cache (or none) that routing is a no-op, bit for bit.
+
+    One cache holds one sequence (per batch row). Each ``model.generate()`` call given a cache that
+    already holds tokens starts a new sequence: the cache resets itself, so its tokens equal a fresh
+    cache's for any prompt (transformers would otherwise take the prompt's first tokens as the ones the
+    cache saw, unchecked). To continue the sequence instead (the next turn of a conversation, without
+    running the earlier turns again), call :meth:`resume` before that call. Direct ``model(...)``
+    calls always continue the sequence; :meth:`reset` empties the cache for a new one.
     """
 
     def __init__(self, config, budget: int | None = None, *, policy: str | Policy | None = None,
@@ -416,6 +433,8 @@ class KVpopCache(Cache):
         other keyword goes to the policy factory (e.g. ``path=`` a scorer checkpoint, ``seed=``).
         ``policy`` None: :func:`kvpop.policies.default_policy` (``"kvpop-mlp"``; on a model loaded with an
         adapter bundle, the policy its scorer serves)."""
+        self._resume = False  # set before Cache.__init__: transformers may set _is_user_defined (a property here)
+        self._generate_given = False
         check_attention(config)
         if compile is not None and not isinstance(compile, bool):
             raise TypeError(f"compile must be True, False or None (the default), got {compile!r}")
@@ -439,6 +458,49 @@ class KVpopCache(Cache):
         by_index = {layer.layer_idx: layer for layer in self.bounded}
         super().__init__(layers=[by_index[i] if i in by_index else DynamicSlidingWindowLayer(shape.sliding_window)
                                  for i in range(shape.num_layers)])  # fmt: skip
+
+    # --- one sequence per generate() call, unless resumed -----------------------------------
+    @property
+    def _is_user_defined(self) -> bool:
+        """Whether ``model.generate()`` was given this cache. transformers sets it at the start of every
+        generate() call that is given a cache, before it reads ``get_seq_length()``: the one moment a cache
+        learns that a call begins, which :meth:`_begin_generate` uses."""
+        return self._generate_given
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        self._generate_given = bool(value)
+        if value:
+            self._begin_generate()
+
+    def _begin_generate(self) -> None:
+        """A ``model.generate()`` call begins: on a cache that holds tokens it starts a new sequence (a
+        reset), unless :meth:`resume` asked to continue.
+
+        transformers takes the first ``get_seq_length()`` tokens of the prompt as already in the cache
+        and feeds only the rest, without looking at them: a prompt that does not extend the cache's
+        sequence would silently continue it (longer than the tokens seen) or fail (shorter). The cache
+        never sees those token ids, so it cannot tell a continuation from a new prompt; a new sequence is
+        the safe reading (the tokens equal a fresh cache's, also for a conversation passed whole, which
+        then runs again), and a continuation that keeps the state is asked for by :meth:`resume`."""
+        if self._resume:
+            self._resume = False
+            return
+        if any(layer.get_seq_length() for layer in self.layers):
+            self.reset()
+
+    def resume(self) -> None:
+        """Let the next ``model.generate()`` call continue this cache's sequence instead of starting a
+        new one (once). Pass it the whole sequence, the tokens this cache saw and then the new ones (e.g.
+        the last output and the next turn): only the tokens after the ``get_seq_length()`` it already saw
+        run, on the kept state. A prompt that does not extend that sequence gives wrong tokens."""
+        self._resume = True
+
+    def reset(self) -> None:
+        """Empty every layer for a new sequence: afterwards the cache runs as a fresh one (slots, policy
+        and scorer state, counters, positions); a next sequence of another batch size is taken too."""
+        self._resume = False
+        super().reset()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """``Cache.update``, after checking that the model this cache runs in is the one it was made for.
@@ -478,8 +540,9 @@ class KVpopCache(Cache):
             raise ValueError(
                 f"this KVpop cache has {len(layers)} layers, but its layer {prev.layer_idx} saw {prev.seen} tokens "
                 f"and layer {layer.layer_idx} saw {layer.seen}: the model uses only {_layers_used(layers)} of them (the "
-                "cache was created from another model's config), or an earlier forward failed midway. Create a new "
-                "cache from this model: KVpopCache(model.config, ...) or kvpop.make_cache(model, ...)."
+                "cache was created from another model's config), or an earlier forward failed midway (cache.reset() "
+                "empties it). Create a new cache from this model: KVpopCache(model.config, ...) or "
+                "kvpop.make_cache(model, ...)."
             )
         return layer.update(key_states, value_states, *args, **kwargs)
 
