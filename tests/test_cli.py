@@ -22,7 +22,8 @@ def tiny(tmp_path_factory):
     paths = {}
     for kind in ("mlp", "mlstm"):
         cfg = ScorerConfig(kind=kind, num_layers=2, kv_heads=2, head_dim=16)
-        paths[kind] = save_scorer(build_scorer(cfg), root / f"{kind}.safetensors", {"fingerprint": model_fingerprint(model)})
+        meta = {"fingerprint": model_fingerprint(model)}
+        paths[kind] = save_scorer(build_scorer(cfg), root / f"{kind}.safetensors", meta)
     (root / "prompt.txt").write_text(TEXT)
     return root, paths
 
@@ -50,6 +51,7 @@ def test_generate_prompt_file_reports_speed_and_memory_quietly(tiny, capsys):
     assert out.strip()  # the generated text
     assert "Loading weights" not in err  # transformers' per-load bar is silenced
     assert "policy=knorm KVpopCache(sinks=4, window=4, k=8, budget=16" in err
+    assert "[kvpop] base model: " in err and "[kvpop] model=base policy=knorm " in err  # which model ran
     assert "tok/s" in err and "prompt 492 tokens" in err and "generated 6 tokens" in err
     assert "KV cache held 8.0 KiB vs" in err and "dense" in err
     assert "decode step: eager" in err  # KVPOP_COMPILE=0 in this suite (tests/conftest.py)
@@ -124,7 +126,8 @@ def test_info_shows_the_split_and_lam_the_cache_would_use(tiny, capsys):
     import json
 
     root, _ = tiny
-    assert main(["info", "--model", str(root / "model"), "--policy", "h2o", "--budget", "16", "--lam", "0.01", "--json"]) == 0
+    assert main(["info", "--model", str(root / "model"), "--policy", "h2o", "--budget", "16", "--lam", "0.01",
+                 "--json"]) == 0  # fmt: skip
     budget = json.loads(capsys.readouterr().out)["budget"]
     assert budget == {"policy": "h2o", "sinks": 4, "window": 8, "k": 4, "B": 16, "lam": 0.01}
     # the default policy is the shipped scorer, trained for SmolLM2: on another model, the library's split
@@ -150,7 +153,7 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
     save_adapter_bundle(add_lora(tiny_model("llama")), scorer, tmp_path / "bundle", {"trained_for": {"budgets": [16]}})
     assert _generate(root, "--adapter", str(tmp_path / "bundle")) == 0  # not the shipped scorer (which would fail)
     err = capsys.readouterr().err
-    assert "adapted model:" in err and "policy=kvpop " in err
+    assert "adapted model:" in err and "model=adapted policy=kvpop " in err
     assert _generate(root, "--adapter", str(tmp_path / "bundle"), "--base-model") == 2
     assert "--adapter and --base-model exclude each other" in capsys.readouterr().err
     # a bundle with an MLP scorer serves kvpop-mlp by default (it used to fall back to the shipped mLSTM)
@@ -183,10 +186,15 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
         return argparse.Namespace(**{**base, **kw})
 
     monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "bundle")
-    assert _generate_adapter(args(), "kvpop") == "default"  # the embedded model, the policy an mLSTM bundle serves: adapted
+    assert _generate_adapter(args(), "kvpop") == "default"  # the embedded model, the policy the mLSTM bundle serves
     assert _generate_adapter(args(), None) == "default" and _generate_adapter(args(), "kvpop-mlp") is None
     assert _generate_adapter(args(base_model=True), "kvpop") is None
-    assert _generate_adapter(args(), "streaming") is None and _generate_adapter(args(), "dense") is None
+    assert _generate_adapter(args(), "streaming") is None
+    # one meaning of dense: the model the default runs, alone or as a row of --compare
+    assert _generate_adapter(args(), "dense") == "default" == _compare_adapter(args(), ["dense", "streaming"])
+    assert _generate_adapter(args(base_model=True), "dense") is None
+    assert _generate_adapter(args(model="x"), "dense") is None
+    assert _compare_adapter(args(), ["streaming", "h2o"]) is None  # no policy the bundle serves: the base model
     assert _generate_adapter(args(model="x"), "kvpop") is None and _generate_adapter(args(scorer="s"), "kvpop") is None
     # --compare loads the shipped bundle when the policy its scorer serves is compared
     assert _compare_adapter(args(), ["dense", "streaming", "kvpop"]) == "default"
@@ -195,12 +203,36 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
     assert _compare_adapter(args(), ["dense", "streaming", "kvpop-mlp"]) == "default"
     assert _compare_adapter(args(), ["dense", "kvpop"]) is None and _compare_adapter(args(base_model=True),
                                                                                       ["kvpop-mlp"]) is None
+    assert _compare_adapter(args(), ["dense", "streaming"]) == "default" == _generate_adapter(args(), "dense")
     # another learned policy by name runs on the base model (the LoRA was adapted under the bundle's scorer)
     assert _generate_adapter(args(), "kvpop-mlp") == "default" and _generate_adapter(args(), "kvpop") is None
     assert _generate_adapter(args(), None) == "default"  # none named: the bundle, whichever kind its scorer is
     assert _compare_adapter(args(adapter="x"), ["dense"]) == "x"
     monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "none")
     assert _generate_adapter(args(), "kvpop") is None  # nothing shipped: the base model
+
+
+def test_dense_runs_the_model_the_default_runs_with_the_shipped_bundle():
+    """On the embedded model, dense alone and a dense row of --compare run the adapted bundle the default runs;
+    --base-model runs the base model for all. Decided from the shipped bundle's files (no model loads)."""
+    import argparse
+
+    from kvpop import checkpoint
+    from kvpop.cli import _bundle_policy, _compare_adapter, _generate_adapter
+
+    try:
+        checkpoint.default_adapter_path()
+    except FileNotFoundError:
+        pytest.skip("no adapter bundle ships with this install")
+    served = _bundle_policy("default", "kvpop-mlp")
+    other = "kvpop" if served == "kvpop-mlp" else "kvpop-mlp"
+    args = argparse.Namespace(adapter=None, base_model=False, model=None, scorer=None)
+    assert _generate_adapter(args, None) == _generate_adapter(args, "dense") == "default"
+    assert _generate_adapter(args, served) == "default"
+    assert _compare_adapter(args, ["dense", "streaming"]) == _compare_adapter(args, ["dense", served]) == "default"
+    assert _compare_adapter(args, ["dense", other]) is None  # the other learned policy: every row on the base model
+    base = argparse.Namespace(adapter=None, base_model=True, model=None, scorer=None)
+    assert all(_compare_adapter(base, names) is None for names in ([None], ["dense"], ["dense", served]))
 
 
 def test_generate_compare_answers_under_each_policy_with_one_model_load(tiny, capsys, monkeypatch):
@@ -220,9 +252,10 @@ def test_generate_compare_answers_under_each_policy_with_one_model_load(tiny, ca
     rows = {c[0]: c[1:] for c in cells}
     assert list(rows) == ["dense", "streaming", "kvpop"]
     assert rows["dense"][0].endswith("(100.0%)") and rows["dense"][3] == "-"  # dense holds every token, no kvpop cache
-    assert rows["streaming"][0].startswith("8.0 KiB (") and rows["kvpop"][0].startswith("8.0 KiB (")  # B = 16 slots each
-    assert rows["kvpop"][3] == "eager" and all(r[4] for r in rows.values())  # the suite runs eagerly (KVPOP_COMPILE=0); every row answered
-    assert "kvpop: KVpopCache(sinks=4, window=4, k=8, budget=16" in err
+    assert rows["streaming"][0].startswith("8.0 KiB (") and rows["kvpop"][0].startswith("8.0 KiB (")  # B = 16 each
+    assert rows["kvpop"][3] == "eager"  # the suite runs eagerly (KVPOP_COMPILE=0)
+    assert all(r[4] for r in rows.values())  # every row answered
+    assert "kvpop: KVpopCache(sinks=4, window=4, k=8, budget=16" in err and "[kvpop] model=base;" in err
     # the same answers as one policy at a time
     assert _generate(root, "--policy", "streaming") == 0
     assert capsys.readouterr().out.strip().split() == rows["streaming"][4].split()

@@ -15,6 +15,24 @@ DEFERRED = {
     ("bench/gpu.py", "torch._dynamo"): "only the CUDA target rows raise dynamo's cache limit",
     ("bench/gpu.py", "..testing"): "test scaffolding (tiny models) for the parity part, kept out of the CLI's imports",
     ("serving/vllm/__init__.py", "."): "the backend module imports vLLM: loaded when vLLM calls the plugin",
+    # the command lines: torch, transformers and the model code load when a command runs, so `kvpop --help`, every
+    # subcommand's parser and a bad argument answer at once (tests/test_cli_speed.py)
+    ("cli.py", "."): "the runtime (models, cache, checkpoint, adapters, policies): loaded when a command runs",
+    ("cli.py", ".generate"): "the runtime: loaded when `kvpop generate` runs",
+    ("cli.py", ".data"): "the corpora (they import torch): only --demo-prompt reads one",
+    ("cli.py", ".bench"): "the benchmarks import torch: loaded when `kvpop bench NAME` runs",
+    ("cli.py", ".train.cli"): "a subcommand's own parser and run, loaded when it is named",
+    ("cli.py", ".train.diagnose"): "a subcommand's own parser and run, loaded when it is named",
+    ("cli.py", ".adapt.cli"): "a subcommand's own parser and run, loaded when it is named",
+    ("cli.py", ".adapt.report"): "a subcommand's own parser and run, loaded when it is named",
+    ("cli.py", ".evaluate.cli"): "a subcommand's own parser and run, loaded when it is named",
+    ("cli.py", ".serving.vllm.serve"): "a subcommand's own parser and run, loaded when it is named",
+    ("compare.py", ".generate"): "the runtime: `kvpop generate --compare` runs it, the parser needs only the table",
+    ("options.py", "."): "the model loader and scorer headers (torch): the parsers built from options need neither",
+    ("options.py", "transformers.utils"): "transformers' progress bar switch, used when a model loads",
+    ("options.py", "torch.distributed"): "ends a torchrun process group after a training run",
+    ("train/cli.py", ".loop"): "the training loop (torch, the model code) loads once a checked run starts",
+    ("adapt/cli.py", ".loop"): "the adaptation loop (torch, the model code) loads once a checked run starts",
 }
 
 

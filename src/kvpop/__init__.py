@@ -1,21 +1,70 @@
-"""kvpop: a fixed-size KV cache for transformers by learned eviction (KVpop)."""
+"""kvpop: a fixed-size KV cache for transformers by learned eviction (KVpop).
 
-from .attention import detach, routed
-from .cache import KVpopCache, KVpopLayer, make_cache
-from .config import EvictionConfig
-from .policies import DEFAULT_POLICY, DENSE, POLICIES, Policy, default_policy, get_policy, policy_names, register_policy
+The public names load on first use (PEP 562): ``import kvpop`` alone imports neither torch nor
+transformers, so the command line (``kvpop --help``, a bad argument) answers at once; ``kvpop.X``
+imports the module that defines ``X`` the first time it is read.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .adapters import AdapterMismatchError, load_adapter_bundle, lora_config, save_adapter_bundle
-from .capture import LayerCapture, collect
-from .checkpoint import load_scorer, save_scorer
-from .generate import GenerationResult, generate
-from .mask import masked_eviction
-from .models import SUPPORTED_MODEL_TYPES, ModelLoadError, kv_bytes_at, kv_bytes_per_token, load_model, model_summary
-from .rule import leave_steps
-from .targets import future_attention
-from .teacher import TeacherLabels, teacher_labels
+if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
+    from .adapters import AdapterMismatchError, load_adapter_bundle, lora_config, save_adapter_bundle
+    from .attention import detach, routed
+    from .cache import KVpopCache, KVpopLayer, make_cache
+    from .capture import LayerCapture, collect
+    from .checkpoint import load_scorer, save_scorer
+    from .config import EvictionConfig
+    from .generate import GenerationResult, generate
+    from .mask import masked_eviction
+    from .models import (
+        SUPPORTED_MODEL_TYPES,
+        ModelLoadError,
+        kv_bytes_at,
+        kv_bytes_per_token,
+        load_model,
+        model_summary,
+    )
+    from .policies import (
+        DEFAULT_POLICY,
+        DENSE,
+        POLICIES,
+        Policy,
+        default_policy,
+        get_policy,
+        policy_names,
+        register_policy,
+    )
+    from .rule import leave_steps
+    from .targets import future_attention
+    from .teacher import TeacherLabels, teacher_labels
+
+# the module (under kvpop) -> the public names it defines
+_MODULES: dict[str, tuple[str, ...]] = {
+    "adapters": ("AdapterMismatchError", "load_adapter_bundle", "lora_config", "save_adapter_bundle"),
+    "attention": ("detach", "routed"),
+    "cache": ("KVpopCache", "KVpopLayer", "make_cache"),
+    "capture": ("LayerCapture", "collect"),
+    "checkpoint": ("load_scorer", "save_scorer"),
+    "config": ("EvictionConfig",),
+    "generate": ("GenerationResult", "generate"),
+    "mask": ("masked_eviction",),
+    "models": ("SUPPORTED_MODEL_TYPES", "ModelLoadError", "kv_bytes_at", "kv_bytes_per_token", "load_model",
+               "model_summary"),
+    "policies": ("DEFAULT_POLICY", "DENSE", "POLICIES", "Policy", "default_policy", "get_policy", "policy_names",
+                 "register_policy"),
+    "rule": ("leave_steps",),
+    "targets": ("future_attention",),
+    "teacher": ("TeacherLabels", "teacher_labels"),
+}  # fmt: skip
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -54,3 +103,31 @@ __all__ = [
     "save_scorer",
     "teacher_labels",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name from its module, or a submodule (``kvpop.models``), imported on first use."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+class _Package(types.ModuleType):
+    """Importing the submodule ``kvpop.generate`` would bind it over the function ``kvpop.generate``
+    (the import system sets the attribute on the package): a public name keeps its meaning."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}":
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

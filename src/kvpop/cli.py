@@ -1,4 +1,9 @@
-"""``kvpop`` command line: thin argument parsing over the library's modules."""
+"""``kvpop`` command line: thin argument parsing over the library's modules.
+
+The parser, the dispatch to subcommands and every check that the argument values alone decide load no
+torch, transformers or model code (those load inside the command functions), so ``kvpop --help`` and a
+bad argument answer at once, and a bad argument is refused before any model loads.
+"""
 
 from __future__ import annotations
 
@@ -6,46 +11,28 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
-from .adapt.cli import main as adapt_main
-from .adapt.report import main as report_main
-from .adapters import read_bundle_meta
-from .attention import detach
-from .bench import generate as bench_generate
-from .bench import gpu as bench_gpu
-from .bench import overhead as bench_overhead
-from .bench import prefill as bench_prefill
-from .bench import targets as bench_targets
-from .bench import vllm as bench_vllm
-from .cache import make_cache
-from .checkpoint import ScorerMismatchError, default_adapter_path
 from .compare import compare, human_bytes, table
-from .config import BudgetArgs, EvictionConfig, budget_of_compression
-from .data import load_documents
-from .evaluate.cli import main as eval_main
-from .generate import generate
-from .models import kv_bytes_at, model_summary
-from .options import load_model_quietly, policy_for_scorer
-from .policies import DEFAULT_POLICY, policy_names
-from .serving.vllm.serve import main as serve_main
-from .train.cli import main as train_main
-from .train.diagnose import main as diagnose_main
+from .config import BudgetArgs, budget_of_compression
+from .options import DEFAULT_POLICY, GENERATE_POLICIES, load_model_quietly, model_position_limit, policy_for_scorer
+from .validate import check_int
 
-EVICTION_POLICIES = policy_names(teacher_forced=False)  # dense + every policy that can generate
-BENCHMARKS = {"targets": bench_targets.main, "generate": bench_generate.main, "overhead": bench_overhead.main,
-              "prefill": bench_prefill.main, "gpu": bench_gpu.main,
-              "vllm": bench_vllm.main}  # fmt: skip
-SUBCOMMANDS = {"train": train_main, "eval": eval_main, "diagnose": diagnose_main, "adapt": adapt_main,
-               "compare-adapted": report_main, "serve": serve_main}  # fmt: skip
+EVICTION_POLICIES = list(GENERATE_POLICIES)  # dense + every policy that can generate
+BENCHMARKS = ("targets", "generate", "overhead", "prefill", "gpu", "vllm")
+SUBCOMMANDS = ("train", "eval", "diagnose", "adapt", "compare-adapted", "serve")  # each parses its own options
 DEMO_QUESTION = "In one sentence, what is the main advice of the essay above?"
+DEFAULT_BUDGET = 512
+# the int arguments and their least values: one checker for all (--seed takes any int)
+INT_ARGUMENTS = {"max_new_tokens": 1, "budget": 1, "reference_length": 1, "window": 1, "sinks": 0}
 
 
 def demo_prompt(target_chars: int = 24_000) -> str:
     """A built-in long prompt: the Paul Graham essay of the corpus's test split closest to
     ``target_chars`` characters (~6k tokens), then a question about it."""
+    from .data import load_documents
+
     docs = load_documents("paul_graham", "test")
     if not docs:
         raise ValueError("the paul_graham corpus has no test essay")
@@ -53,13 +40,41 @@ def demo_prompt(target_chars: int = 24_000) -> str:
     return doc.text.strip() + "\n\n" + DEMO_QUESTION
 
 
+def _subcommand_main(name: str) -> Callable[[list[str]], int]:
+    """The main of a subcommand that parses its own options, imported only when it runs: each loads its
+    own dependencies, which neither the top-level parser nor the other subcommands need."""
+    if name == "train":
+        from .train.cli import main
+    elif name == "adapt":
+        from .adapt.cli import main
+    elif name == "eval":
+        from .evaluate.cli import main
+    elif name == "diagnose":
+        from .train.diagnose import main
+    elif name == "compare-adapted":
+        from .adapt.report import main
+    else:
+        from .serving.vllm.serve import main
+    return main
+
+
+def _benchmark_main(name: str) -> Callable[[list[str]], int | None]:
+    """The main of ``kvpop bench NAME``, imported only when a benchmark runs (the benchmarks load torch)."""
+    from .bench import generate, gpu, overhead, prefill, targets, vllm
+
+    return {"targets": targets.main, "generate": generate.main, "overhead": overhead.main, "prefill": prefill.main,
+            "gpu": gpu.main, "vllm": vllm.main}[name]  # fmt: skip
+
+
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="local HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
 
 
-def _add_budget(p: argparse.ArgumentParser, default_budget: int | None = 512) -> None:
+def _add_budget(p: argparse.ArgumentParser, default_budget: int | None = DEFAULT_BUDGET) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--budget", type=int, default=None, help=f"slots per KV head B = sinks + window + k (default {default_budget})")
+    g.add_argument("--budget", type=int, default=None,
+                   help=f"slots per KV head B = sinks + window + k (default {default_budget})")
     g.add_argument("--compression", type=float, default=None, help="compression r in (0, 1) of --reference-length")
     p.add_argument("--reference-length", type=int, default=4096, help="L for --compression (default 4096)")
     p.add_argument("--window", type=int, default=None,
@@ -69,108 +84,187 @@ def _add_budget(p: argparse.ArgumentParser, default_budget: int | None = 512) ->
                    help="recency tilt of the priority r(t) + lam * t (default: the scorer's trained lam, else 0)")
 
 
-def _budget_kwargs(args, default_budget: int | None = 512) -> dict:
+def _budget_kwargs(args, default_budget: int | None = DEFAULT_BUDGET) -> dict:
     if args.compression is not None:
-        return {"compression": args.compression, "reference_length": args.reference_length, "window": args.window, "sinks": args.sinks}
-    return {"budget": args.budget if args.budget is not None else default_budget, "window": args.window, "sinks": args.sinks}
+        return {"compression": args.compression, "reference_length": args.reference_length, "window": args.window,
+                "sinks": args.sinks}  # fmt: skip
+    budget = args.budget if args.budget is not None else default_budget
+    return {"budget": budget, "window": args.window, "sinks": args.sinks}
 
 
 def _cache_kwargs(args) -> dict:
     return {**_budget_kwargs(args), "lam": args.lam}
 
 
+def _stated_budget(args) -> tuple[int, str]:
+    """``(B, how the command line stated it)``, for messages that name the argument."""
+    if args.compression is not None:
+        budget = budget_of_compression(args.compression, args.reference_length)
+        return budget, f"--compression {args.compression:g} of --reference-length {args.reference_length} (B={budget})"
+    if args.budget is not None:
+        return args.budget, f"--budget {args.budget}"
+    return DEFAULT_BUDGET, f"the default --budget {DEFAULT_BUDGET}"
+
+
+def _check_text(name: str, text: str) -> str:
+    """``text`` if it is UTF-8 encodable; argv and a text stream carry undecodable bytes as lone surrogates,
+    which the tokenizer would reject only after the model loaded."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"character U+{code:04X}"
+        raise ValueError(f"{name} is not UTF-8 text: {what} at character {exc.start}") from exc
+    return text
+
+
+def _check_args(args, bounded: bool) -> None:
+    """Every check that the argument values alone decide, in one place, before any model loads (one line
+    naming the argument, exit code 2): the ints through one checker, the --prompt text, exclusive options,
+    and for a bounded cache (``bounded``) the budget's numbers and split."""
+    ints = {name: least for name, least in INT_ARGUMENTS.items()
+            if hasattr(args, name) and (bounded or name == "max_new_tokens")}  # fmt: skip
+    kw = _cache_kwargs(args)
+    try:
+        for name, least in ints.items():
+            check_int("--" + name.replace("_", "-"), getattr(args, name), least)
+        if bounded:
+            BudgetArgs(**kw).checked()  # the numbers: --compression, --lam
+            if kw.get("compression") is not None:
+                budget_of_compression(kw["compression"], kw["reference_length"])
+    except (TypeError, ValueError) as exc:  # "lam must be ..." -> "--lam must be ..."
+        name, _, rest = str(exc).partition(" ")
+        raise ValueError(f"--{name.replace('_', '-')} {rest}" if name in kw else str(exc)) from exc
+    if bounded:
+        budget, stated = _stated_budget(args)
+        if args.window is not None and budget < args.sinks + args.window:
+            raise ValueError(f"budget={budget} is smaller than sinks + window = {args.sinks} + {args.window} "
+                             f"({stated}, --sinks {args.sinks}, --window {args.window})")  # fmt: skip
+        if args.window is None and args.sinks >= budget:
+            raise ValueError(f"--sinks {args.sinks} leaves no slot for the recent window in {stated}: give "
+                             "--sinks below B, or a larger --budget")  # fmt: skip
+    if getattr(args, "adapter", None) is not None and args.base_model:
+        raise ValueError("--adapter and --base-model exclude each other")
+    if getattr(args, "prompt", None) is not None:
+        if not args.prompt:
+            raise ValueError("--prompt is empty: give some text")
+        _check_text("--prompt", args.prompt)
+
+
+def _check_budget_fits(args) -> None:
+    """The budget against the model's position limit, read from its config.json without loading the weights:
+    a budget past it would allocate slots the model never reaches."""
+    found = model_position_limit(args.model)
+    budget, stated = _stated_budget(args)
+    if found is not None and budget > found[0]:
+        limit, config = found
+        raise ValueError(f"{stated} exceeds the model's position limit max_position_embeddings={limit} ({config}): "
+                         f"give a budget <= {limit}, or --policy dense")  # fmt: skip
+
+
 def cmd_info(args) -> int:
-    _check_args(args)
+    _check_args(args, bounded=True)
+    _check_budget_fits(args)
+    from . import attention, cache, checkpoint, models
+
     model, _ = load_model_quietly(args.model)
-    summary = model_summary(model.config, dtype=torch.float32)
+    summary = models.model_summary(model.config)
     # the split a cache with this policy would use (a learned scorer's trained window and lam)
     policy = args.policy or DEFAULT_POLICY
     try:
-        cache = make_cache(model, policy, **_cache_kwargs(args))
-    except ScorerMismatchError:
+        kv_cache = cache.make_cache(model, policy, **_cache_kwargs(args))
+    except checkpoint.ScorerMismatchError:
         if args.policy is not None:
             raise
         policy = "knorm"  # no shipped scorer for this model: show the library's default split
-        cache = make_cache(model, policy, **_cache_kwargs(args))
-    detach(model.config)
-    ev: EvictionConfig = cache.eviction
+        kv_cache = cache.make_cache(model, policy, **_cache_kwargs(args))
+    attention.detach(model.config)
+    ev = kv_cache.eviction
     per_token = summary["kv_bytes_per_token"]
-    summary["budget"] = {"policy": policy, "sinks": ev.sinks, "window": ev.window, "k": ev.k, "B": ev.budget, "lam": ev.lam}
-    bounded = kv_bytes_at(model.config, ev.budget, budget=ev.budget)  # with the sliding layers' windows, if any
+    summary["budget"] = {"policy": policy, "sinks": ev.sinks, "window": ev.window, "k": ev.k, "B": ev.budget,
+                         "lam": ev.lam}  # fmt: skip
+    bounded = models.kv_bytes_at(model.config, ev.budget, budget=ev.budget)  # with the sliding layers' windows, if any
     summary["kv_bytes_bounded"] = bounded
     for n in (1024, 4096, 8192):
-        summary[f"kv_bytes_dense_{n}"] = kv_bytes_at(model.config, n)
+        summary[f"kv_bytes_dense_{n}"] = models.kv_bytes_at(model.config, n)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
     for key in ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
         print(f"{key:>24}: {summary[key]}")
     print(f"{'KV bytes / token':>24}: {human_bytes(per_token)} (fp32)")
-    print(f"{'budget':>24}: B={ev.budget} (sinks {ev.sinks} + window {ev.window} + k {ev.k}, lam {ev.lam:g}; policy {policy}) -> {human_bytes(bounded)} per sequence, however long")
+    print(f"{'budget':>24}: B={ev.budget} (sinks {ev.sinks} + window {ev.window} + k {ev.k}, lam {ev.lam:g}; "
+          f"policy {policy}) -> {human_bytes(bounded)} per sequence, however long")
     if summary["sliding_window"] is not None:
         print(f"{'sliding layers':>24}: {summary['num_layers'] - len(summary['full_attention_layers'])} keep their own "
               f"window of {summary['sliding_window']}; full-attention layers {summary['full_attention_layers']}")
     for n in (1024, 4096, 8192):
-        dense = kv_bytes_at(model.config, n)
-        saved = 1 - min(kv_bytes_at(model.config, n, budget=min(ev.budget, n)), dense) / dense
+        dense = models.kv_bytes_at(model.config, n)
+        saved = 1 - min(models.kv_bytes_at(model.config, n, budget=min(ev.budget, n)), dense) / dense
         print(f"{'dense at ' + str(n):>24}: {human_bytes(dense)}  (budget saves {saved:.0%})")
     return 0
 
 
 def _read_prompt(args) -> str:
+    """The prompt text: a file or standard input is read as bytes and decoded as UTF-8 here, so a bad byte
+    is one line naming the argument before the model loads (--prompt is checked with the other values)."""
     if args.demo_prompt:
         return demo_prompt()
-    if args.prompt_file is not None:
-        try:
-            text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--prompt-file {args.prompt_file}: {getattr(exc, 'strerror', None) or exc}") from exc
-        if not text.strip():
-            raise ValueError(f"--prompt-file {args.prompt_file} is empty")
-        return text
-    if not args.prompt:
-        raise ValueError("--prompt is empty: give some text")
-    return args.prompt
-
-
-def _check_args(args) -> None:
-    """The arguments a command can check alone, before the model loads (one line, exit code 2)."""
-    kw = _cache_kwargs(args)
+    if args.prompt_file is None:
+        return args.prompt
+    name = f"--prompt-file {args.prompt_file}"
     try:
-        BudgetArgs(**kw).checked()
-        if kw.get("budget") is not None and kw.get("window") is not None and kw["budget"] < kw["sinks"] + kw["window"]:
-            raise ValueError(f"budget={kw['budget']} is smaller than sinks + window = {kw['sinks']} + {kw['window']}")
-        if kw.get("compression") is not None:
-            budget_of_compression(kw["compression"], kw["reference_length"])
-    except (TypeError, ValueError) as exc:  # "reference_length must be ..." -> "--reference-length must be ..."
-        name, _, rest = str(exc).partition(" ")
-        raise ValueError(f"--{name.replace('_', '-')} {rest}" if name in kw else str(exc)) from exc
-    if getattr(args, "max_new_tokens", 1) < 1:
-        raise ValueError(f"--max-new-tokens must be a positive int, got {args.max_new_tokens}")
+        if args.prompt_file == "-":
+            stream = getattr(sys.stdin, "buffer", None)  # a replaced sys.stdin may be text only
+            raw = stream.read() if stream is not None else sys.stdin.read()
+        else:
+            raw = Path(args.prompt_file).read_bytes()
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else _check_text(name, raw)
+    except OSError as exc:
+        raise ValueError(f"{name}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{name} is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start}") from exc
+    if not text.strip():
+        raise ValueError(f"{name} is empty")
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as a text-mode read
 
 
-def _generate_adapter(args, policy: str | None):
-    """The adapter bundle `kvpop generate` loads: --adapter, else the shipped one for the embedded
-    model when no policy is named (``None``) or the named one is the learned policy its scorer
-    serves, unless --base-model. (Another learned policy by name runs on the base model: the
-    bundle's LoRA was adapted under its own scorer's mask.)"""
+def _generate_adapter(args, policy: str | None) -> str | None:
+    """The adapter bundle `kvpop generate --policy POLICY` loads (``None``: no policy named)."""
+    return _compare_adapter(args, [policy])
+
+
+def _compare_adapter(args, names: list[str | None]) -> str | None:
+    """The one model a command runs every policy on: --adapter; else, on the embedded model with its shipped
+    bundle (no --model, --scorer or --base-model), the adapted model when a policy runs that it serves -- none
+    named, dense, or the learned policy its scorer serves (an mLSTM bundle: ``kvpop``, an MLP bundle:
+    ``kvpop-mlp``) -- and no other learned policy (the bundle's LoRA was adapted under its own scorer's mask,
+    so the other one runs on the base model, with every row); else the base model (``None``). So dense alone,
+    the default policy and a dense row of --compare run the same model."""
     if args.adapter is not None:
         if args.base_model:
             raise ValueError("--adapter and --base-model exclude each other")
         return args.adapter
     if args.base_model or args.model is not None or args.scorer is not None:
         return None
+    from . import checkpoint, policies
+
     try:
-        default_adapter_path()
+        checkpoint.default_adapter_path()
     except FileNotFoundError:  # no bundle shipped: the base model
         return None
-    return "default" if policy is None or _bundle_policy("default", DEFAULT_POLICY) == policy else None
+    served = _bundle_policy("default", DEFAULT_POLICY)
+    if any(p in policies.LEARNED_POLICIES and p != served for p in names):
+        return None
+    return "default" if any(p in (None, "dense", served) for p in names) else None
 
 
 def _bundle_policy(adapter, default: str) -> str:
     """The learned policy an adapter bundle's scorer serves (``default`` for a bundle without one)."""
-    folder = default_adapter_path() if str(adapter) == "default" else Path(adapter)
-    scorer = read_bundle_meta(folder).get("scorer")
+    from . import adapters, checkpoint
+
+    folder = checkpoint.default_adapter_path() if str(adapter) == "default" else Path(adapter)
+    scorer = adapters.read_bundle_meta(folder).get("scorer")
     return policy_for_scorer(str(folder / scorer)) if scorer else default
 
 
@@ -182,14 +276,22 @@ def _policy_kwargs(args, policy: str) -> dict:
     return {"seed": args.seed} if policy == "random" else {}
 
 
+def _which_model(adapter: str | None) -> str:
+    """What the status lines call the model that ran."""
+    return "base" if adapter is None else "adapted"
+
+
 def _load(args, adapter):
-    """The model once (LoRA merged into the weights: the same model, no adapter layers on the decode path)."""
+    """The model once (LoRA merged into the weights: the same model, no adapter layers on the decode path),
+    and a status line that says which model it is (base or adapted)."""
     t0 = time.perf_counter()
     model, tok = load_model_quietly(args.model, adapter=adapter, merge=adapter is not None)
     print(f"[kvpop] model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if adapter is not None:
         print(f"[kvpop] adapted model: {model.kvpop_adapter.path} (LoRA + its scorer; --base-model for the base "
               "model)", file=sys.stderr)  # fmt: skip
+    else:
+        print(f"[kvpop] base model: {args.model or 'the embedded model'} (no adapter bundle)", file=sys.stderr)
     return model, tok
 
 
@@ -201,32 +303,28 @@ def _compare_policies(args) -> list[str]:
                          else "--compare: give at least one policy, e.g. dense,streaming,kvpop")  # fmt: skip
     if args.policy is not None:
         raise ValueError("--compare and --policy exclude each other (--compare names every policy to run)")
-    if args.scorer is not None:
-        policy_for_scorer(args.scorer)  # a readable scorer checkpoint, before the model loads
     return policies
 
 
-def _compare_adapter(args, policies: list[str]):
-    """The bundle ``--compare`` loads: ``--adapter``, else the shipped adapted bundle when the policy its
-    scorer serves is among the compared ones (as `kvpop generate` would load it: an mLSTM bundle for
-    ``kvpop``, an MLP bundle for ``kvpop-mlp``); every row then runs the adapted model."""
-    return next((a for p in policies if (a := _generate_adapter(args, p)) is not None), None)
-
-
 def cmd_compare(args) -> int:
-    """``kvpop generate --compare P1,P2,...``: the same prompt under each policy, one table."""
+    """``kvpop generate --compare P1,P2,...``: the same prompt under each policy, one model, one table."""
     policies = _compare_policies(args)
-    if any(p != "dense" for p in policies):
-        _check_args(args)
+    bounded = any(p != "dense" for p in policies)
+    _check_args(args, bounded)
     prompt = _read_prompt(args)
-    model, tok = _load(args, _compare_adapter(args, policies))
+    if bounded:
+        _check_budget_fits(args)
+    if args.scorer is not None:
+        policy_for_scorer(args.scorer)  # a readable scorer checkpoint, before the model loads
+    adapter = _compare_adapter(args, policies)
+    model, tok = _load(args, adapter)
     outcomes = compare(model, tok, prompt, policies, cache_kwargs={**_cache_kwargs(args), "compile": args.compile},
                        policy_kwargs={p: _policy_kwargs(args, p) for p in policies},
                        max_new_tokens=args.max_new_tokens, chat=args.chat)  # fmt: skip
     r = outcomes[0].result
-    print(f"[kvpop] prompt {r.prompt_tokens:,} tokens; up to {args.max_new_tokens} new tokens per policy; "
-          f"{', '.join(f'{o.policy}: {o.result.cache!r}' for o in outcomes if o.result.cache is not None) or 'dense only'}",
-          file=sys.stderr)  # fmt: skip
+    caches = ", ".join(f"{o.policy}: {o.result.cache!r}" for o in outcomes if o.result.cache is not None)
+    print(f"[kvpop] model={_which_model(adapter)}; prompt {r.prompt_tokens:,} tokens; up to {args.max_new_tokens} "
+          f"new tokens per policy; {caches or 'dense only'}", file=sys.stderr)  # fmt: skip
     print(table(outcomes))
     return 0
 
@@ -234,6 +332,11 @@ def cmd_compare(args) -> int:
 def cmd_generate(args) -> int:
     if args.compare is not None:
         return cmd_compare(args)
+    bounded = args.policy != "dense"
+    _check_args(args, bounded)
+    prompt = _read_prompt(args)
+    if bounded:
+        _check_budget_fits(args)
     if args.scorer is not None:
         policy = policy_for_scorer(args.scorer, args.policy)
     else:
@@ -242,9 +345,8 @@ def cmd_generate(args) -> int:
     if adapter is not None and args.policy is None and args.scorer is None:
         policy = _bundle_policy(adapter, policy)  # the bundle's scorer decides (an MLP bundle serves kvpop-mlp)
     policy_kwargs = _policy_kwargs(args, policy)
-    if policy != "dense":
-        _check_args(args)
-    prompt = _read_prompt(args)
+    from .generate import generate
+
     model, tok = _load(args, adapter)
     kwargs = {} if policy == "dense" else _cache_kwargs(args)
     if policy != "dense":
@@ -253,7 +355,7 @@ def cmd_generate(args) -> int:
                    chat=args.chat, **kwargs)  # fmt: skip
     print(res.text)
     where = f" {res.cache!r}" if res.cache is not None else ""
-    print(f"[kvpop] policy={policy}{where}", file=sys.stderr)
+    print(f"[kvpop] model={_which_model(adapter)} policy={policy}{where}", file=sys.stderr)
     if res.compile_status is not None:
         print(f"[kvpop] decode step: {res.compile_status}", file=sys.stderr)
     pre = f" ({res.prefill_tokens_per_s:,.0f} tok/s)" if res.prefill_tokens_per_s else ""
@@ -265,7 +367,8 @@ def cmd_generate(args) -> int:
     )
     note = ""
     if res.cache is not None and res.kv_bytes > res.dense_kv_bytes:
-        note = f"; the {res.cache.budget} slots are allocated up front, so the bound pays off past {res.cache.budget} tokens"
+        note = (f"; the {res.cache.budget} slots are allocated up front, so the bound pays off past "
+                f"{res.cache.budget} tokens")
     parts = ""
     if res.cache is not None and len(res.cache.bounded) < len(res.cache.layers):
         parts = (f" (full-attention layers {human_bytes(res.cache.kv_bytes('bounded'))} + sliding layers "
@@ -296,22 +399,27 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-': standard input)")
     src.add_argument("--demo-prompt", action="store_true",
-                     help="a built-in long prompt: a ~6k-token Paul Graham essay (paul_graham corpus) and a question")  # fmt: skip
+                     help="a built-in long prompt: a ~6k-token Paul Graham essay (paul_graham corpus) and a "
+                          "question")  # fmt: skip
     pg.add_argument("--max-new-tokens", type=int, default=64)
     pg.add_argument("--policy", choices=EVICTION_POLICIES, default=None,
-                    help=f"eviction policy (default: on the embedded model, the policy of the shipped adapted bundle's scorer, "
-                         f"kvpop-mlp; else {DEFAULT_POLICY}, the shipped MLP scorer; with --scorer: its kind)")  # fmt: skip
+                    help=f"eviction policy (default: on the embedded model, the policy of the shipped adapted "
+                         f"bundle's scorer, kvpop-mlp; else {DEFAULT_POLICY}, the shipped MLP scorer; with --scorer: "
+                         "its kind). dense runs the same model as the default: the adapted bundle on the embedded "
+                         "model, unless --base-model")  # fmt: skip
     _add_budget(pg)
     pg.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     pg.add_argument("--scorer", metavar="PATH", default=None,
-                    help="a scorer checkpoint (.safetensors from kvpop train); its kind picks kvpop or kvpop-mlp")  # fmt: skip
+                    help="a scorer checkpoint (.safetensors from kvpop train); its kind picks kvpop or "
+                         "kvpop-mlp")  # fmt: skip
     pg.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     pg.add_argument("--adapter", metavar="DIR", default=None,
                     help="an adapter bundle (kvpop adapt) to load onto the model; its scorer serves the learned policy")
     pg.add_argument("--base-model", action="store_true",
-                    help="with the policy the shipped adapted bundle's scorer serves (the default) on the embedded model: "
-                         "use the base model and its scorer, not the bundle (another learned policy by name runs on the "
-                         "base model anyway)")  # fmt: skip
+                    help="on the embedded model, with the default policy, the learned policy the shipped adapted "
+                         "bundle's scorer serves, or dense: use the base model (and its scorer), not the bundle "
+                         "(another learned policy by name runs on the base model anyway); the status lines say "
+                         "which model ran")  # fmt: skip
     pg.add_argument("--compare", metavar="P1,P2,...", default=None,
                     help="answer the same prompt under each of these policies (e.g. dense,streaming,kvpop) with one "
                          "model load, and print one table: answer, KV held, prefill and decode tok/s, compiled or not")
@@ -331,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
                    add_help=False)  # fmt: skip
     sub.add_parser("eval", help="evaluate policies and budgets (see `kvpop eval --help`)", add_help=False)
     sub.add_parser("serve", add_help=False,
-                   help="vLLM's OpenAI-compatible server with kvpop layers (needs kvpop[vllm]; see `kvpop serve --help`)")
+                   help="vLLM's OpenAI-compatible server with kvpop layers (needs kvpop[vllm]; see "
+                        "`kvpop serve --help`)")  # fmt: skip
     return p
 
 
@@ -339,9 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in SUBCOMMANDS:  # the subcommand parses (and --help) its own options
-        return SUBCOMMANDS[argv[0]](argv[1:])
+        return _subcommand_main(argv[0])(argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
-        return BENCHMARKS[argv[1]](argv[2:]) or 0
+        return _benchmark_main(argv[1])(argv[2:]) or 0
     args = parser.parse_args(argv)
     try:
         if args.command == "info":

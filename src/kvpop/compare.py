@@ -9,8 +9,10 @@ newcomer sees in one run what a bounded cache keeps and what it saves.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .generate import GenerationResult, generate
+if TYPE_CHECKING:
+    from .generate import GenerationResult
 
 __all__ = ["Outcome", "compare", "human_bytes", "table"]
 
@@ -51,6 +53,8 @@ def compare(model, tokenizer, prompt: str, policies, *, cache_kwargs: dict | Non
     budget (``cache_kwargs``: ``budget``, ``window``, ``compile``, ... for every bounded policy),
     ``policy_kwargs`` per policy name (e.g. ``{"kvpop": {"path": ...}}``) and ``generate_kwargs``
     (``max_new_tokens``, ``chat``, ...) for all."""
+    from .generate import generate
+
     out = []
     for p in policies:
         kw = {} if p == "dense" else dict(cache_kwargs or {})

@@ -3,7 +3,9 @@ checkpoint serves, and the frame of a training command (``kvpop train``, ``kvpop
 
 The top-level ``kvpop`` command (:mod:`kvpop.cli`) and each subcommand's own parser
 (:mod:`kvpop.train.cli`, :mod:`kvpop.adapt.cli`, :mod:`kvpop.evaluate.cli`, the benchmarks)
-import from here, so no subcommand imports the top-level command.
+import from here, so no subcommand imports the top-level command. Importing this module loads no
+torch, transformers or model code (they load inside the functions that use them), so a parser built
+from it answers ``--help`` and a bad argument at once.
 """
 
 from __future__ import annotations
@@ -13,17 +15,18 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
-import torch.distributed as dist
-from transformers.utils import logging as hf_logging
-
-from . import models
-from .checkpoint import scorer_kind
 from .files import json_safe
-from .policies import KIND_TO_POLICY
 
-__all__ = ["add_run_arguments", "budget_range_arg", "config_kwargs", "ints", "load_model_quietly", "policy_for_scorer",
-           "run_training_command"]
+__all__ = ["DEFAULT_POLICY", "GENERATE_POLICIES", "add_run_arguments", "budget_range_arg", "config_kwargs", "ints",
+           "load_model_quietly", "model_position_limit", "policy_for_scorer", "run_training_command"]  # fmt: skip
+
+# The policy names a command line offers, readable without importing torch (kvpop.policies imports it):
+# kvpop.policies.policy_names(teacher_forced=False) and kvpop.policies.DEFAULT_POLICY, which
+# tests/test_cli_speed.py checks these equal.
+GENERATE_POLICIES = ("dense", "streaming", "tova", "h2o", "snapkv", "knorm", "random", "kvpop-mlp", "kvpop")
+DEFAULT_POLICY = "kvpop-mlp"
 
 
 def ints(text: str) -> tuple[int, ...]:
@@ -78,6 +81,10 @@ def config_kwargs(args: argparse.Namespace, cls) -> dict:
 def load_model_quietly(name_or_path=None, adapter=None, merge: bool = False):
     """``kvpop.load_model`` for the command line: kvpop's one-time conversion messages, but not
     transformers' per-load "Loading weights" bar (noise on every run)."""
+    from transformers.utils import logging as hf_logging
+
+    from . import models
+
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -89,10 +96,44 @@ def load_model_quietly(name_or_path=None, adapter=None, merge: bool = False):
 
 def policy_for_scorer(path: str, policy: str | None = None) -> str:
     """The learned policy a scorer checkpoint belongs to (its kind, read from the file's header)."""
-    name = KIND_TO_POLICY[scorer_kind(path)]
+    from . import checkpoint, policies
+
+    kind = checkpoint.scorer_kind(path)
+    name = policies.KIND_TO_POLICY[kind]
     if policy is not None and policy != name:
-        raise ValueError(f"--scorer {path} is a {scorer_kind(path)} scorer (policy {name}); it cannot serve --policy {policy}")
+        raise ValueError(f"--scorer {path} is a {kind} scorer (policy {name}); it cannot serve --policy {policy}")
     return name
+
+
+def model_position_limit(name_or_path: str | os.PathLike | None) -> tuple[int, Path] | None:
+    """``(max_position_embeddings, config.json)`` of a model, read from its config without loading its weights
+    (a folder's own config.json, a GGUF's converted copy in the kvpop cache), so a budget past the limit is
+    refused before the load; ``None`` where no config is there yet (a GGUF not converted) or it is unreadable:
+    the load reports a broken model, and the cache refuses the budget after it."""
+    path = None if name_or_path is None else Path(name_or_path).expanduser()
+    if path is not None and path.is_dir():
+        config = path / "config.json"
+    else:  # a GGUF: the embedded default, an embedded model by name, or a file
+        from . import models
+
+        try:
+            if path is None:
+                gguf = models.default_gguf_path()
+            elif path.is_file():
+                gguf = path
+            elif (embedded := models.embedded_model(os.fspath(name_or_path))) is not None:
+                gguf = models.embedded_gguf_path(embedded)
+            else:
+                return None
+            config = models.gguf_cache_folder(gguf) / "config.json"
+        except (OSError, models.ModelLoadError):
+            return None
+    try:
+        meta = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    limit = meta.get("max_position_embeddings", (meta.get("text_config") or {}).get("max_position_embeddings"))
+    return (limit, config) if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
 def run_training_command(prog: str, argv: list[str] | None, parser: argparse.ArgumentParser,
@@ -116,6 +157,8 @@ def run_training_command(prog: str, argv: list[str] | None, parser: argparse.Arg
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(json_safe(report(summary)), indent=1, default=str))
+    import torch.distributed as dist
+
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

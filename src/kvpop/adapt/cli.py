@@ -8,7 +8,6 @@ from ..adapters import DEFAULT_LORA_TARGETS
 from ..options import add_run_arguments, config_kwargs, run_training_command
 from ..train.config import TRAIN_CORPORA
 from .config import KL_POSITIONS, KL_TAILS, MASKS, AdaptConfig
-from .loop import adapt, strip_per_doc
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -23,7 +22,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--mask", choices=MASKS, default=d.mask,
                    help="kvpop: the learned scorer's eviction mask; streaming: the StreamingLLM+ control "
                         "(sinks + window = B - sinks, no scorer)")  # fmt: skip
-    p.add_argument("--scorer", default=None, help="scorer checkpoint to start from (kvpop train); needed for --mask kvpop")
+    p.add_argument("--scorer", default=None,
+                   help="scorer checkpoint to start from (kvpop train); needed for --mask kvpop")
     joint = p.add_mutually_exclusive_group()
     joint.add_argument("--joint", dest="joint", action="store_true",
                        help="also train the scorer (boundary loss on the adapted model's keys); on a trained scorer "
@@ -36,15 +36,18 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                                   "query_block", "val_docs", "val_every", "ckpt_every", "seed", "stop_after"),
                       float_fields=("lr", "scorer_lr", "weight_decay", "temperature", "tau"))  # fmt: skip
     p.add_argument("--window", type=int, default=None,
-                   help="protected window (default: the scorer's trained fraction of B, else B / 2; streaming: B - sinks)")  # fmt: skip
+                   help="protected window (default: the scorer's trained fraction of B, else B / 2; streaming: "
+                        "B - sinks)")  # fmt: skip
     p.add_argument("--window-fraction", type=float, default=None)
     p.add_argument("--lam", type=float, default=None, help="recency tilt (default: the scorer's trained lam, else 0)")
     p.add_argument("--lora-targets", default=",".join(DEFAULT_LORA_TARGETS), help="modules that get LoRA adapters")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 * r)")
     p.add_argument("--full-finetune", action="store_true",
-                   help="train every decoder weight (not embeddings / LM head) instead of LoRA; writes a model folder")  # fmt: skip
+                   help="train every decoder weight (not embeddings / LM head) instead of LoRA; writes a model "
+                        "folder")  # fmt: skip
     p.add_argument("--kl-positions", choices=KL_POSITIONS, default=d.kl_positions,
-                   help="average the KL over all positions (default) or only those >= B, where eviction happened")  # fmt: skip
+                   help="average the KL over all positions (default) or only those >= B, where eviction "
+                        "happened")  # fmt: skip
     p.add_argument("--kl-tail", choices=KL_TAILS, default=d.kl_tail,
                    help="bucket (default): the teacher's mass outside its top-k is one more outcome of the KL (a true "
                         "KL over k + 1 outcomes); renormalize: the teacher renormalised over its top-k")  # fmt: skip
@@ -66,11 +69,20 @@ def config_from_args(args) -> AdaptConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_training_command("kvpop adapt", argv, build_parser(), config_from_args, adapt, _report,
+    return run_training_command("kvpop adapt", argv, build_parser(), config_from_args, _adapt, _report,
                                 config_errors=(TypeError, ValueError, FileNotFoundError))  # fmt: skip
 
 
+def _adapt(cfg: AdaptConfig) -> dict:
+    """The loop, imported once a checked run starts: it loads the model code, which parsing does not need."""
+    from .loop import adapt
+
+    return adapt(cfg)
+
+
 def _report(summary: dict) -> dict:
+    from .loop import strip_per_doc
+
     last_val = next((h["val"] for h in reversed(summary["history"]) if "val" in h), None)
     return {"best": summary["best"], "tokens_seen": summary["tokens_seen"], "seconds": summary["seconds_this_process"],
             "peak_rss_mib": summary["peak_rss_mib"], "baseline": strip_per_doc(summary.get("baseline")),

@@ -6,7 +6,6 @@ import argparse
 
 from ..options import add_run_arguments, config_kwargs, ints, run_training_command
 from .config import TRAIN_CORPORA, TrainConfig
-from .loop import train
 
 
 def _observed(text: str) -> tuple[int | None, ...]:
@@ -67,7 +66,14 @@ def config_from_args(args) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_training_command("kvpop train", argv, build_parser(), config_from_args, train, _report)
+    return run_training_command("kvpop train", argv, build_parser(), config_from_args, _train, _report)
+
+
+def _train(cfg: TrainConfig) -> dict:
+    """The loop, imported once a checked run starts: it loads the model code, which parsing does not need."""
+    from .loop import train
+
+    return train(cfg)
 
 
 def _report(summary: dict) -> dict:
