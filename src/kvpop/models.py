@@ -32,11 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from .config import attention_shape
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
@@ -417,6 +416,8 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    import torch
+
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     parsed = load_gguf_checkpoint(
         os.fspath(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
@@ -591,7 +592,7 @@ def _is_default_gguf(path: Path) -> bool:
 
 def load_model(
     name_or_path: str | os.PathLike | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str = "cpu",
     progress: bool = True,
     adapter: str | os.PathLike | None = None,
@@ -636,6 +637,10 @@ def load_model(
         check_adapter_bundle(adapter)  # a missing or broken bundle is an error before the model loads
     if kind == "gguf":
         path = convert_gguf(path, progress=progress)
+    if dtype is None:
+        import torch
+
+        dtype = torch.float32
     model, tokenizer = _load_folder(path, dtype, device, progress)
     if adapter is not None:
         from .adapters import load_adapter_bundle
@@ -672,16 +677,21 @@ def _text_config(config: Any) -> Any:
     return get() if callable(get) else config
 
 
-def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> int:
+def _itemsize(dtype: torch.dtype | None) -> int:
+    """Bytes per element of ``dtype`` (None: float32, the dtype kvpop loads models in)."""
+    return 4 if dtype is None else dtype.itemsize
+
+
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype | None = None) -> int:
     """Bytes of K+V cache one more token costs a dense cache: 2 * full-attention layers * kv_heads *
     head_dim * itemsize (every layer of a model without sliding-window layers; a sliding layer stops
     growing at its window)."""
     shape = attention_shape(config)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _itemsize(dtype)
     return 2 * len(shape.bounded) * shape.kv_heads * shape.head_dim * itemsize
 
 
-def kv_bytes_at(config: PretrainedConfig, tokens: int, dtype: torch.dtype = torch.float32,
+def kv_bytes_at(config: PretrainedConfig, tokens: int, dtype: torch.dtype | None = None,
                 budget: int | None = None) -> int:  # fmt: skip
     """K+V bytes one sequence's cache holds after ``tokens`` tokens: the full-attention layers every
     token (dense, ``budget=None``) or ``budget`` slots (a KVpop cache allocates them up front), the
@@ -689,11 +699,11 @@ def kv_bytes_at(config: PretrainedConfig, tokens: int, dtype: torch.dtype = torc
     shape = attention_shape(config)
     full = tokens if budget is None else budget
     sliding = 0 if shape.sliding_window is None else min(tokens, shape.sliding_window - 1) * len(shape.sliding)
-    per_slot = 2 * shape.kv_heads * shape.head_dim * torch.empty((), dtype=dtype).element_size()
+    per_slot = 2 * shape.kv_heads * shape.head_dim * _itemsize(dtype)
     return per_slot * (full * len(shape.bounded) + sliding)
 
 
-def model_summary(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> dict:
+def model_summary(config: PretrainedConfig, dtype: torch.dtype | None = None) -> dict:
     """A plain dict describing the attention geometry of ``config`` (for ``kvpop info``)."""
     c = _text_config(config)
     return {
@@ -706,7 +716,7 @@ def model_summary(config: PretrainedConfig, dtype: torch.dtype = torch.float32) 
         "hidden_size": int(c.hidden_size),
         "vocab_size": int(getattr(c, "vocab_size", 0) or 0),
         "max_position_embeddings": getattr(c, "max_position_embeddings", None),
-        "kv_dtype": str(dtype).replace("torch.", ""),
+        "kv_dtype": "float32" if dtype is None else str(dtype).replace("torch.", ""),
         "kv_bytes_per_token": kv_bytes_per_token(c, dtype),
         "full_attention_layers": list(attention_shape(c).bounded),
         "sliding_window": attention_shape(c).sliding_window,
