@@ -1,7 +1,9 @@
 """LoRA adapter bundles: round trip, base-model check, atomic writes, teacher/student, gradients under the mask."""
 
 import json
+import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,3 +235,104 @@ def test_a_scorer_for_the_base_model_serves_the_adapted_model(tmp_path):
     with torch.no_grad():  # a merged adapter changes the base weights: that is another model
         model.get_base_model().model.layers[0].self_attn.k_proj.base_layer.weight.add_(0.1)
     assert model_fingerprint(model) != model_fingerprint(base)
+
+
+# --------------------------------------------------------------------------------------------
+# a broken bundle's JSON names its file
+
+
+@pytest.fixture
+def shipped_copy(tmp_path):
+    """A copy of the shipped adapter bundle, to break."""
+    from kvpop.checkpoint import default_adapter_path
+
+    return Path(shutil.copytree(default_adapter_path(), tmp_path / "bundle"))
+
+
+@pytest.mark.parametrize("name", [ADAPTER_META_FILE, "adapter_config.json"])
+@pytest.mark.parametrize("text", ["", "{not json", "[1, 2]"])
+def test_invalid_bundle_json_is_one_line_naming_the_file(shipped_copy, name, text):
+    from kvpop.adapters import check_adapter_bundle
+
+    (shipped_copy / name).write_text(text)
+    for read in (check_adapter_bundle, lambda p: kvpop.load_model(adapter=p, progress=False)):
+        with pytest.raises(ValueError) as err:  # before any model loads
+            read(shipped_copy)
+        msg = str(err.value)
+        assert str(shipped_copy / name) in msg and "\n" not in msg and "corrupt" in msg, msg
+
+
+def test_generate_with_a_broken_bundle_prints_one_line(shipped_copy, capsys):
+    from kvpop.cli import main
+
+    (shipped_copy / "adapter_config.json").write_text("{")
+    assert main(["generate", "--adapter", str(shipped_copy), "--prompt", "hi", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("kvpop: error: ") and str(shipped_copy / "adapter_config.json") in err[-1], err
+
+
+# --------------------------------------------------------------------------------------------
+# merged model folders
+
+
+def test_merged_model_folder_is_the_adapted_model_written_once(tmp_path, kvpop_cache, monkeypatch):
+    from kvpop.checkpoint import load_scorer, read_tensors
+    from kvpop.serving import merged as merging
+
+    save_tiny_model(tmp_path / "base", seed=0)
+    adapted = _adapted()
+    want = _logits(adapted)
+    save_adapter_bundle(adapted, _scorer(), tmp_path / "bundle", {"note": "x"})
+
+    out = merging.merged_model_folder(tmp_path / "base", tmp_path / "bundle", progress=False)
+    assert out.parent == kvpop_cache / "models" and (out / merging.MERGED_MARKER).is_file()
+    model, _ = kvpop.load_model(out, progress=False)  # a plain folder: no peft, no bundle
+    torch.testing.assert_close(_logits(model), want, rtol=1e-5, atol=1e-5)
+    assert not hasattr(model.config, "kvpop_adapter") and not hasattr(model, "kvpop_adapter")
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    # vLLM reads every top-level *.safetensors of a model folder as weights: the scorer is in a subfolder
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    scorer, _ = load_scorer(out / merging.MERGED_SCORER)
+    assert all(torch.equal(a, b) for a, b in zip(scorer.state_dict().values(), _scorer().state_dict().values()))
+    marker = json.loads((out / merging.MERGED_MARKER).read_text())
+    assert marker["bundle_key"] == merging.bundle_key(tmp_path / "bundle") and marker["meta"] == {"note": "x"}
+
+    # reused, not merged again; the same bundle elsewhere (another install) is the same folder
+    shutil.copytree(tmp_path / "bundle", tmp_path / "elsewhere" / "bundle")
+    with monkeypatch.context() as m:  # (not monkeypatch.undo(): that would drop the kvpop_cache fixture's setenv)
+        m.setattr(merging, "save_merged_model", lambda *a: pytest.fail("merged twice"))
+        assert merging.merged_model_folder(tmp_path / "base", tmp_path / "bundle", progress=False) == out
+        assert merging.merged_model_folder(tmp_path / "base", tmp_path / "elsewhere" / "bundle", progress=False) == out
+
+    # a changed bundle: a new folder
+    save_adapter_bundle(_adapted(r=2), _scorer(), tmp_path / "bundle", {"note": "y"})
+    other = merging.merged_model_folder(tmp_path / "base", tmp_path / "bundle", progress=False)
+    assert other != out and other.parent == out.parent and (other / merging.MERGED_MARKER).is_file()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(
+        read_tensors(other / "model.safetensors")[name], read_tensors(out / "model.safetensors")[name]
+    )
+
+
+def test_a_failed_merge_leaves_no_folder(tmp_path, kvpop_cache, monkeypatch):
+    from kvpop.serving import merged as merging
+
+    save_tiny_model(tmp_path / "base", seed=0)
+    save_adapter_bundle(_adapted(), _scorer(), tmp_path / "bundle")
+    real_copy = merging.shutil.copyfile
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(merging.shutil, "copyfile", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        merging.merged_model_folder(tmp_path / "base", tmp_path / "bundle", progress=False)
+    assert [p.name for p in (kvpop_cache / "models").iterdir()] == []  # no folder, no temp folder
+    monkeypatch.setattr(merging.shutil, "copyfile", real_copy)
+    out = merging.merged_model_folder(tmp_path / "base", tmp_path / "bundle", progress=False)
+    assert (out / merging.MERGED_MARKER).is_file()
+
+    save_tiny_model(tmp_path / "other", seed=5)
+    with pytest.raises(AdapterMismatchError):  # before anything is written
+        merging.merged_model_folder(tmp_path / "other", tmp_path / "bundle", progress=False)
+    assert len(list((kvpop_cache / "models").iterdir())) == 1

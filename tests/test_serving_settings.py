@@ -34,8 +34,10 @@ def test_bad_settings_name_the_key(raw, words):
 
 @pytest.mark.parametrize(
     "raw, word",
-    [({"budget": 0}, "budget"), ({"budget": 16, "window": 20}, "window"), ({"policy": "h2o"}, "budget"),
-     ({"budget": 64, "policy": "kvpop", "scorer": "/nonexistent/s.safetensors"}, "s.safetensors")],
+    [({"budget": 0}, "budget"), ({"budget": 16, "window": 20, "policy": "streaming"}, "window"),
+     ({"policy": "h2o"}, "budget"),
+     ({"budget": 64, "policy": "kvpop", "scorer": "/nonexistent/s.safetensors"}, "s.safetensors"),
+     ({"budget": 64}, "no shipped mlp scorer fits this model")],  # the default policy, on a model without a scorer
 )  # fmt: skip
 def test_budget_errors_from_the_cache_name_the_config(raw, word):
     settings = ServeSettings.from_additional_config({"kvpop": raw})

@@ -6,7 +6,9 @@
 * with B at least prompt + generation, the plugin equals vLLM without it;
 * vLLM's own KV accounting is one kvpop page per request and layer;
 * bad settings are refused before the engine starts;
-* ``kvpop serve`` (vLLM's server with the plugin) answers OpenAI-client requests with the offline tokens.
+* ``kvpop serve`` (vLLM's server with the plugin) answers OpenAI-client requests with the offline tokens;
+* ``kvpop serve`` without a model serves ``kvpop generate``'s default (the adapted model, its scorer) on
+  127.0.0.1, with its greedy tokens.
 
 Each engine runs in its own process (``tests/vllm_run.py``). Skipped where vllm is not importable
 (the main suite needs no vLLM); ``.ci/run`` runs these in the vLLM virtualenv.
@@ -196,6 +198,68 @@ def test_vllm_serve_with_plugin_answers_like_the_offline_path(real, tmp_path_fac
             answers = list(pool.map(ask, prompts))
         for i, (got, want) in enumerate(zip(answers, offline)):
             assert _first_difference(list(got), want) is None, f"prompt {i}"
+    finally:
+        _stop(server)
+
+
+def _wait_up(client, server, log: Path) -> None:
+    deadline = time.monotonic() + 600
+    while True:
+        if server.poll() is not None:
+            pytest.fail(f"kvpop serve exited ({server.returncode}):\n{log.read_text()[-4000:]}")
+        try:
+            client.models.list()
+            return
+        except Exception:  # noqa: BLE001 (not up yet)
+            if time.monotonic() > deadline:
+                pytest.fail(f"kvpop serve did not come up:\n{log.read_text()[-4000:]}")
+            time.sleep(2)
+
+
+def test_kvpop_serve_default_is_kvpop_generates_adapted_model(tmp_path):
+    """No model: the shipped bundle's LoRA merged (into a fresh cache) and its scorer, on 127.0.0.1 only;
+    greedy tokens equal `kvpop generate`'s (its model: load_model(adapter="default", merge=True))."""
+    import psutil
+    from openai import OpenAI
+
+    from kvpop.data import load_documents
+    from kvpop.models import convert_gguf, default_gguf_path
+
+    budget, new_tokens = 128, 16  # this prompt: the 11th token differs from dense's, the 8th from the base model's
+    cache = tmp_path / "cache"  # the merged folder goes here; the converted model is the user's (linked)
+    converted = convert_gguf(default_gguf_path(), progress=False)
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / converted.name).symlink_to(converted)
+    port, log = _free_port(), tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "kvpop.cli", "serve", "--budget", str(budget), "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--seed", "0"]  # fmt: skip
+    with open(log, "w") as f:
+        server = subprocess.Popen(cmd, env={**os.environ, **ENV, "KVPOP_CACHE_DIR": str(cache)}, stdout=f,
+                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        # the reference while the server starts: `kvpop generate --budget 128` on the same prompt
+        model, tok = kvpop.load_model(adapter="default", merge=True, progress=False)
+        text = "\n\n".join(d.text for d in load_documents("wikipedia", "test")[:40])
+        prompt = tok.decode(tok(text)["input_ids"][400:700])
+        res = kvpop.generate(model, tok, prompt, budget=budget, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             compile=False)  # fmt: skip
+        assert res.cache.policy.name == "kvpop-mlp" and "adapter bundle" in res.cache.policy.source
+        ids = res.sequences[0, : res.prompt_tokens].tolist()
+        want = res.sequences[0, res.prompt_tokens :].tolist()
+
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=300)
+        _wait_up(client, server, log)
+        assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct-kvpop"]
+        listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}, listening
+        extra = {"return_token_ids": True, "ignore_eos": True}
+        r = client.completions.create(model="smollm2-135m-instruct-kvpop", prompt=ids, max_tokens=new_tokens,
+                                      temperature=0, extra_body=extra)  # fmt: skip
+        got = list(r.choices[0].token_ids)
+        # (serving the base model, or a dense cache, would fail here: tests/test_serve_merged.py checks both)
+        assert _first_difference(got, want) is None, (got, want)
+        merged = [p for p in (cache / "models").iterdir() if "--" in p.name]
+        assert len(merged) == 1 and (merged[0] / "kvpop-merged.json").is_file()
     finally:
         _stop(server)
 

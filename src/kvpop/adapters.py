@@ -15,6 +15,9 @@ It is written to a temporary folder next to the destination and swapped into pla
 (:func:`kvpop.files.atomic_dir`), so a failed or killed save leaves the old or the new bundle at
 the path, never none. Loading it onto a base model other than the one
 it was trained on raises :class:`AdapterMismatchError`.
+
+A server that takes no LoRA layers (vLLM with kvpop) loads a bundle merged into a copy of its base
+model: :mod:`kvpop.serving.merged`.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ FORMAT = "kvpop-adapter-v1"
 ADAPTER_META_FILE = "kvpop_adapter.json"
 SCORER_FILE = "scorer.safetensors"
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the scorer of a merged folder: in a subfolder, since a server reads every top-level *.safetensors as weights
 
 
 class AdapterMismatchError(ValueError):
@@ -200,13 +204,25 @@ def save_adapter_bundle(peft_model, scorer=None, path: str | os.PathLike = "adap
     return path
 
 
+def _read_json_object(f: Path) -> dict[str, Any]:
+    """A bundle's JSON file as a dict; a broken one is one line naming the file (json's own error names none)."""
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{f} is not valid JSON ({exc}); the adapter bundle is corrupt") from exc
+    if not isinstance(data, dict):  # a corrupt file, as above (callers catch ValueError)
+        kind = type(data).__name__
+        raise ValueError(f"{f} holds a JSON {kind}, not an object; the adapter bundle is corrupt")  # noqa: TRY004
+    return data
+
+
 def read_bundle_meta(path: str | os.PathLike) -> dict[str, Any]:
     """The ``kvpop_adapter.json`` of a bundle (format checked)."""
     path = Path(path)
     f = path / ADAPTER_META_FILE
     if not f.is_file():
         raise FileNotFoundError(f"{path} is not a kvpop adapter bundle (no {ADAPTER_META_FILE})")
-    header = json.loads(f.read_text(encoding="utf-8"))
+    header = _read_json_object(f)
     if header.get("format") != FORMAT:
         raise ValueError(f"{f}: unknown adapter bundle format {header.get('format')!r}, expected {FORMAT!r}")
     return header
@@ -225,6 +241,7 @@ def check_adapter_bundle(path: str | os.PathLike) -> dict[str, Any]:
     for name in ADAPTER_FILES:
         if not (path / name).is_file():
             raise FileNotFoundError(f"adapter bundle {path} has no {name}; it is incomplete (copy the whole folder)")
+    _read_json_object(path / ADAPTER_FILES[0])  # peft would raise json's bare "Expecting value ..."
     tensors = read_tensors(path / ADAPTER_FILES[1])
     bad = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
     if bad is not None:

@@ -45,13 +45,14 @@ __all__ = [
     "EMBEDDED_MODELS",
     "SUPPORTED_MODEL_TYPES",
     "CorruptModelError",
+    "EmbeddedModel",
     "MissingModelPackageError",
     "ModelLoadError",
     "ModelNotFoundError",
     "UnsupportedModelError",
     "cache_dir",
+    "cache_lock",
     "convert_gguf",
-    "EmbeddedModel",
     "default_gguf_path",
     "embedded_gguf_path",
     "embedded_model",
@@ -60,6 +61,7 @@ __all__ = [
     "kv_bytes_per_token",
     "load_model",
     "model_summary",
+    "resolve_model",
 ]
 
 SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3"})
@@ -465,23 +467,25 @@ def convert_gguf(gguf_path: str | os.PathLike, progress: bool = True) -> Path:
     # One conversion at a time per folder: the ranks of a torchrun (or two shells) that load the same
     # GGUF at once wait for the first, then use its folder, instead of converting twice and racing to
     # replace a leftover (which could pull a finished folder from under a rank already loading it).
-    with _conversion_lock(final):
+    with cache_lock(final.name):
         if _is_valid_cache(final):
             return final
         return _convert_locked(gguf_path, final, progress)
 
 
 @contextlib.contextmanager
-def _conversion_lock(final: Path):
-    """An exclusive lock (``flock``) on ``final``'s conversion, kept outside the models folder."""
+def cache_lock(name: str):
+    """An exclusive lock (``flock``) named ``name`` in ``<cache>/locks/``, outside the models folder: processes
+    that would write the same cache folder (a conversion, a merged model) take turns, and each checks the folder
+    again under the lock."""
     try:
         import fcntl
-    except ImportError:  # no flock (Windows): the atomic rename below is still safe, only not exclusive
+    except ImportError:  # no flock (Windows): the atomic renames are still safe, only not exclusive
         yield
         return
     locks = cache_dir() / "locks"
     locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{final.name}.lock", "a") as f:
+    with open(locks / f"{name}.lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -525,8 +529,9 @@ def _convert_locked(gguf_path: Path, final: Path, progress: bool) -> Path:
 # loading
 
 
-def _resolve(name_or_path: str | os.PathLike | None) -> tuple[str, Path]:
-    """``("folder" | "gguf", path)`` for what the user asked for; raises clear errors."""
+def resolve_model(name_or_path: str | os.PathLike | None) -> tuple[str, Path]:
+    """``("folder" | "gguf", path)`` for what the user asked for (None: the default model), without loading
+    or converting anything; a name that is neither a local path nor an embedded model is one offline error."""
     if name_or_path is None:
         return "gguf", default_gguf_path()
     raw = os.fspath(name_or_path)
@@ -622,7 +627,7 @@ def load_model(
     :class:`UnsupportedModelError`, :class:`CorruptModelError`, :class:`MissingModelPackageError`.
     """
     _set_offline()
-    kind, path = _resolve(name_or_path)
+    kind, path = resolve_model(name_or_path)
     embedded = kind == "gguf" and _is_default_gguf(path)
     if adapter is not None and os.fspath(adapter) == "default":
         if not embedded:
