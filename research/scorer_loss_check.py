@@ -54,7 +54,7 @@ def main() -> None:
     evs = {b: cfg.eviction(b) for b in cfg.budgets}
     windows = sorted({ev.window for ev in evs.values()})
     res = {"run": str(args.run), "budgets": list(cfg.budgets), "windows": {str(b): ev.window for b, ev in evs.items()},
-           "lam": cfg.lam_value(), "scorers": {p: {} for p in args.scorers}}  # fmt: skip
+           "lam": cfg.trained_for()["lam"], "scorers": {p: {} for p in args.scorers}}  # fmt: skip
     streams = (("train", args.train, SequenceSource(cfg, tok, "train")),
                ("validation", args.val, SequenceSource(cfg, tok, "validation", seed=VALIDATION_SEED)))  # fmt: skip
     for split, n, src in streams:

@@ -39,7 +39,7 @@ def main() -> None:
         return
     if args.run is None or args.bundle is None:
         ap.error("give RUN and BUNDLE (or --merge JSON ...)")
-    from kvpop.adapt.quality import parse_shard
+    from kvpop.validate import parse_shard
 
     try:
         shard = None if args.shard is None else parse_shard(args.shard)
@@ -73,7 +73,7 @@ def main() -> None:
            "shard": args.shard,
            "budgets": list(cfg.validation_budgets()),
            "windows": {str(b): cfg.eviction(b).window for b in cfg.validation_budgets()},
-           "lam": cfg.lam_value(), "wall_s": round(time.time() - t0, 1)}
+           "lam": cfg.trained_for()["lam"], "wall_s": round(time.time() - t0, 1)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, res)
     print(probe.describe(q), f"({res['wall_s']} s)")
@@ -83,8 +83,9 @@ def merge(args) -> None:
     """One report from the shards' reports: same run, bundle and settings, disjoint windows."""
     import json
 
-    from kvpop.adapt.quality import merge_validations, parse_shard
+    from kvpop.adapt.quality import merge_validations
     from kvpop.files import write_json
+    from kvpop.validate import parse_shard
 
     parts = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.merge]
     try:

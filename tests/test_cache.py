@@ -252,9 +252,19 @@ def test_models_whose_every_layer_slides_are_refused(arch, overrides):
 
 
 def test_sliding_window_that_never_slides_is_full_attention():
-    # Qwen2.5-style configs: use_sliding_window False (or a window >= max_position_embeddings)
-    KVpopCache(tiny_model("qwen2", sliding_window=16, use_sliding_window=False).config, budget=64, policy="knorm")
-    KVpopCache(tiny_model("mistral", sliding_window=4096).config, budget=64, policy="knorm")
+    """Qwen2.5-style configs (use_sliding_window False) and a window >= max_position_embeddings never slide: the
+    cache bounds every layer, and 40 tokens (more than the window of 16) are all held, as dense attention."""
+    ids = _unique_ids(40)
+    for model in (tiny_model("qwen2", sliding_window=16, use_sliding_window=False),
+                  tiny_model("mistral", sliding_window=4096)):  # fmt: skip
+        cache = KVpopCache(model.config, budget=64, policy="knorm")
+        assert [type(layer).__name__ for layer in cache.layers] == ["KVpopLayer"] * model.config.num_hidden_layers
+        with torch.no_grad():
+            got, dense = model(ids, past_key_values=cache).logits, model(ids).logits
+        torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-5)
+        for layer in cache.layers:
+            for held in layer.slot_index[0]:
+                assert sorted(held[held >= 0].tolist()) == list(range(40))
 
 
 def test_learned_policy_defaults_to_its_trained_window_and_lam_and_warns_on_others():

@@ -10,7 +10,7 @@ import torch
 from kvpop import EvictionConfig, KVpopCache
 from kvpop.compat import cache_kwargs
 from kvpop.evaluate import (
-    DenseCache,
+    DenseOutputs,
     EvalConfig,
     PolicyUnavailable,
     Sums,
@@ -87,7 +87,7 @@ def test_one_forward_equals_token_by_token(policy):
     model = tiny_model("llama")
     ids = _ids(70, seed=1)
     budget = EvictionConfig.from_budget(24, window=6, sinks=2)
-    dense = DenseCache()
+    dense = DenseOutputs()
     got = teacher_forced(model, ids, policy, budget, dense=dense)
     assert got["scored_from"] == 24 and got["n_tokens"] == 70 - 1 - 24
     # reference: dense logits with no cache, policy logits by feeding the physical cache token by token

@@ -9,7 +9,7 @@ import torch
 from kvpop import make_cache
 from kvpop.compat import cache_kwargs
 from kvpop.quality import (
-    DenseCache,
+    DenseOutputs,
     Probe,
     Sums,
     compare,
@@ -69,7 +69,7 @@ def test_one_forward_equals_token_by_token(model):
 def test_probe_pools_documents_and_computes_each_reference_once(model):
     docs = [("a", IDS[:120]), ("b", IDS[120:260])]
     calls = []
-    dense = DenseCache()
+    dense = DenseOutputs()
 
     def reference(ids):
         calls.append(ids.numel())

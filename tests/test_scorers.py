@@ -14,6 +14,8 @@ from kvpop.scorers import (
     ScorerStack,
     build_scorer,
 )
+from kvpop.scorers.decode import MLPParams, MLSTMParams, decode_params
+from kvpop.scorers.mlstm import mlstm_read, score_head
 
 B, H, D = 2, 3, 16
 
@@ -213,6 +215,37 @@ def test_mlstm_multi_token_step_and_read_steps():
             torch.testing.assert_close(s3[row, :, tok], read_after(j, row, tok), rtol=1e-11, atol=1e-11)
     with pytest.raises(ValueError):
         mod.step_and_read(st0, k[:, :, 5:9], v[:, :, 5:9], k[:, :, :2], v[:, :, :2], read_steps=[0, 4])
+
+
+@pytest.mark.parametrize("h_norm,read_mlp", [(True, True), (False, True), (True, False)])
+def test_readout_and_score_head_equal_in_the_training_and_the_decode_form(h_norm, read_mlp):
+    """KVpopMLSTM reads several tokens per row (matmuls), the fused decode step one per row (broadcast-and-sum,
+    which torch.compile fuses): both forms of the one readout and score head give the same scores, and the
+    module's read is that readout and head."""
+    mod = _mlstm(stress=True, h_norm=h_norm, read_mlp=read_mlp)
+    k, v = _kv(12)
+    st = mod.step(mod.init_state(B), k[:, :, :7], v[:, :, :7])
+    qq, u = mod._split_read(mod._project(k[:, :, 7:], v[:, :, 7:]), st.C.dtype)
+    head = {"h_norm": h_norm, "read_mlp": read_mlp, "eps": mod.eps}
+    many = score_head(mlstm_read(st, qq), u, mod.w_out, mod.b_out, **head)
+    assert many.shape == (B, H, 5) and torch.equal(many, mod.read(st, k[:, :, 7:], v[:, :, 7:]))
+    one = [score_head(mlstm_read(st, qq[:, :, j], nonempty=True), u[:, :, j], mod.w_out, mod.b_out, **head)
+           for j in range(5)]  # fmt: skip
+    torch.testing.assert_close(torch.stack(one, 2), many, rtol=1e-12, atol=1e-12)
+    empty = mod.init_state(B)  # an empty state reads h = 0 in both forms
+    assert not mlstm_read(empty, qq).any() and not mlstm_read(empty, qq[:, :, 0]).any()
+
+
+@pytest.mark.parametrize("kind", ["mlstm", "mlp"])
+def test_decode_params_name_the_layer_weights(kind):
+    """The decode step's weights are named views of the layer's parameters (no autograd graph)."""
+    stack = build_scorer(ScorerConfig(kind=kind, num_layers=2, kv_heads=H, head_dim=D, tilt=True, position_free=True))
+    params = decode_params(stack, 1)
+    assert isinstance(params, MLSTMParams if kind == "mlstm" else MLPParams)
+    head = stack[1].w_out if kind == "mlstm" else stack[1].w2
+    w = params.w_out if kind == "mlstm" else params.w2
+    assert w.data_ptr() == head.data_ptr() and not w.requires_grad
+    assert params.inv_freq is not None and params.lam.shape == (H,)
 
 
 # ------------------------------------------------------------------------ masking

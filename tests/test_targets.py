@@ -247,13 +247,32 @@ def test_bench_worker_in_process():
         "budget_s": 10.0,
         "threads": None,
     }
-    mem = _worker({**spec, "mode": "memory", "methods": ["fused"]})
-    assert mem["method"] == "fused" and mem["peak_extra_bytes"] >= 0
+    mem = _worker({**spec, "mode": "memory", "methods": ["fused"]})  # its memory number: the next test
+    assert mem["method"] == "fused" and mem["S"] == 96 and mem["single_call_s"] > 0
     timed = _worker({**spec, "mode": "time", "methods": ["sdpa", "fused", "fused+lse", "blocked", "dense"]})
     assert set(timed) == {"sdpa", "fused", "fused+lse", "blocked", "dense"}
     assert all(len(v["times_s"]) == 2 and v["time_s"] > 0 for v in timed.values())
     rows = [{"S": 96, "method": m, **v, "peak_extra_bytes": 0} for m, v in timed.items()]
     assert "fused" in _format_rows(rows + [{"S": 96, "method": "x", "skipped": "why"}])
+
+
+def test_bench_memory_sees_an_attention_matrix_in_the_dense_pass_and_none_in_the_fused_one():
+    """``peak_extra_bytes``, measured as the benchmark does (a fresh process per method: in this process the
+    peak resident size is the whole test session's), is at least one S x S attention matrix for the dense
+    reference, which builds several, and a small part of one for the fused pass (O(S * block) memory)."""
+    from kvpop.bench.targets import _run_worker
+
+    S, q_heads = 2048, 6
+    spec = {"S": S, "q_heads": q_heads, "kv_heads": 2, "dim": 16, "batch": 1, "window": 64, "dtype": "float32",
+            "repeats": 1, "block": 64, "budget_s": 10.0, "threads": 1, "mode": "memory"}  # fmt: skip
+    matrix = S * S * q_heads * 4  # one float32 attention matrix over the query heads: 100 MB
+    peak = {}
+    for method in ("dense", "fused"):
+        got = _run_worker({**spec, "methods": [method]}, timeout=300)
+        assert "error" not in got, got
+        peak[method] = got["peak_extra_bytes"]
+    assert peak["dense"] >= matrix, peak  # the measure sees a materialised matrix
+    assert peak["fused"] < matrix / 4, peak  # measured: ~4 MB
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -294,7 +294,7 @@ def test_lam_scale_trains_each_budget_at_its_own_tilt():
     # with lam as well, lam is the floor: lam_scale / B below 1,000, lam above
     floor = TrainConfig(budget_range=(128, 2048), window_fraction=0.5, seq_len=8192, lam=5e-4, lam_scale=0.5)
     floor.validate()
-    assert [floor.lam_at(b) for b in (250, 1000, 2000)] == pytest.approx([2e-3, 5e-4, 5e-4])
+    assert [floor.eviction(b).lam for b in (250, 1000, 2000)] == pytest.approx([2e-3, 5e-4, 5e-4])
     assert floor.trained_settings()["lam"] == 5e-4 and floor.trained_settings()["lam_scale"] == 0.5
 
 

@@ -33,7 +33,7 @@ from torch import Tensor
 from transformers.masking_utils import sdpa_mask
 
 from .attention import attention_implementation, register
-from .config import attention_shape
+from .config import attention_shape, text_config
 from .observed import observed_attention_windows
 from .targets import fused_available, future_attention, future_attention_windows
 
@@ -236,10 +236,7 @@ register(ATTN_NAME, _capture_attention, sdpa_mask)
 
 
 def _num_layers(model) -> int | None:
-    cfg = model.config
-    if hasattr(cfg, "get_text_config"):
-        cfg = cfg.get_text_config()
-    return getattr(cfg, "num_hidden_layers", None)
+    return getattr(text_config(model.config), "num_hidden_layers", None)
 
 
 @contextlib.contextmanager

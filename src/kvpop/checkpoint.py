@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import attention_shape
+from .config import attention_shape, text_config
 from .files import atomic_write
 from .scorers import ScorerConfig, ScorerStack, build_scorer
 
@@ -42,11 +42,6 @@ WEIGHTS_SAMPLED_KEY = "weights_sampled_bf16_sha256"
 SAMPLE_STRIDE = 1021  # every parameter, every 1021st value (a prime: the samples walk across rows and columns)
 
 
-def _text_config(config):
-    get = getattr(config, "get_text_config", None)
-    return get(decoder=True) if callable(get) else config
-
-
 def _jsonable(x):
     return json.loads(json.dumps(x, sort_keys=True, default=str))
 
@@ -54,7 +49,7 @@ def _jsonable(x):
 def config_fingerprint(config) -> dict[str, Any]:
     """What a scorer depends on that the model's config alone tells: architecture, layer/head/dim
     sizes, RoPE parameters and vocabulary (no weights needed)."""
-    cfg = _text_config(config)
+    cfg = text_config(config)
     shape = attention_shape(cfg)
     rope = getattr(cfg, "rope_parameters", None)
     if rope is None:  # older configs

@@ -9,7 +9,7 @@ because its in-place writes may have happened and an eager rerun would apply the
 
 Below it, the compiled code (:data:`compiled_code`, a :class:`CodeStore` shared by every cache of
 the process: the code of one input layout compiles once): on the CPU inductor's code called directly
-(:class:`Direct`, bound per layer by :class:`Bound`), on other devices ``torch.compile``
+(:class:`Direct`, bound per layer by :class:`BoundGraph`), on other devices ``torch.compile``
 (:class:`Dynamo`). Tests hold every compiled path to the eager one.
 """
 
@@ -26,7 +26,7 @@ from torch import Tensor
 
 from . import step as steps
 
-__all__ = ["COMPILE_LOCK", "STEPS", "Bound", "CodeStore", "CompileFailed", "CompiledStep", "Direct", "Dynamo",
+__all__ = ["COMPILE_LOCK", "STEPS", "BoundGraph", "CodeStore", "CompileFailed", "CompiledStep", "Direct", "Dynamo",
            "compile_default", "compiled_code"]
 
 # One compilation at a time in the process: make_fx's tracer patches module globals and dynamo keeps
@@ -85,11 +85,11 @@ compiled_code = CodeStore()
 
 
 @dataclass(slots=True)
-class _Bound:
+class _LayerBinding:
     """A layer's compiled step with its own tensors bound, and what it was bound with: the layer uses
     it while these are still the same objects."""
 
-    step: Bound
+    step: BoundGraph
     spec: steps.StepSpec
     state: object  # the policy state (updated in place by the step)
     observed: Tensor | None  # the window statistics (idem)
@@ -101,7 +101,7 @@ class CompiledStep:
 
     ``run`` calls a step of :data:`STEPS` compiled, or eagerly when this cache does not compile or
     compiling failed here; ``bound`` / ``bind`` keep, per layer, the compiled CPU step with
-    everything but the new token's tensors fixed (:class:`Bound`); ``forget`` drops a layer's when
+    everything but the new token's tensors fixed (:class:`BoundGraph`); ``forget`` drops a layer's when
     its buffers change. ``compiler`` is where compiled code comes from (:data:`compiled_code`;
     tests give a failing one). ``status`` says what ran, for ``kvpop generate``.
     """
@@ -110,7 +110,7 @@ class CompiledStep:
         self.enabled, self.compiler = enabled, compiler
         self.error: str | None = None  # why this cache runs eagerly after all (compiling failed)
         self.ran = False  # a compiled step ran
-        self.bound: dict[int, _Bound] = {}
+        self.bound: dict[int, _LayerBinding] = {}
         self._ready: dict[int, set[str]] = {}  # per layer: steps prepared for its current buffers
 
     @property
@@ -177,7 +177,7 @@ class CompiledStep:
         bind = getattr(self.compiler(name, "cpu"), "bind", None)
         step = None if bind is None else bind(args, dynamic)
         if step is not None:
-            self.bound[layer_idx] = _Bound(step, spec, state, observed, kernel)
+            self.bound[layer_idx] = _LayerBinding(step, spec, state, observed, kernel)
 
 
 _TENSOR = object()  # marks where a tensor goes in an argument or result template
@@ -254,7 +254,7 @@ class Direct:
 
     A caller that repeats a call with only a few tensors new (a cache layer's decode step) binds
     the rest once (:meth:`bind`): checking and flattening every argument on each call costs more
-    in the model than it seems (:class:`Bound`).
+    in the model than it seems (:class:`BoundGraph`).
     """
 
     def __init__(self, fn, options: dict) -> None:
@@ -278,7 +278,7 @@ class Direct:
         if not _records_grad(tensors):
             self._graph(template, tensors)
 
-    def bind(self, args: tuple, dynamic: tuple[Tensor, ...]) -> Bound | None:
+    def bind(self, args: tuple, dynamic: tuple[Tensor, ...]) -> BoundGraph | None:
         """The graph for ``args`` with everything but the ``dynamic`` tensors (which must each be
         one of the tensors in ``args``, once) fixed, for a caller that repeats the call with only
         those replaced; None when that does not hold or ``fn`` returns anything but tensors."""
@@ -292,7 +292,7 @@ class Direct:
         run, out_template = self._graph(template, tensors)
         if any(o is not _TENSOR for o in out_template):
             return None
-        return Bound(run, tensors, positions)
+        return BoundGraph(run, tensors, positions)
 
     def _graph(self, template: tuple, tensors: list[Tensor]):
         """``(run, out_template)`` for this layout, compiled on first use (one compilation at a time in
@@ -361,7 +361,7 @@ class Dynamo:
             self.ready.add(key)
 
 
-class Bound:
+class BoundGraph:
     """One :class:`Direct` graph with all its inputs fixed but a few (:meth:`Direct.bind`): a cache
     layer's steady step, where only the query, key, value and token index are new each step.
 
@@ -369,7 +369,7 @@ class Bound:
     costs in a hot loop (the LLM's weights stream through the caches between two calls), and
     flattening and checking ~20 arguments was about 1 ms of a 41 ms decode step of SmolLM2.
     ``fits`` checks the new tensors only; the caller guarantees that the fixed ones are unchanged
-    (same objects, not resized in place) and drops the ``Bound`` when it replaces any of them.
+    (same objects, not resized in place) and drops the ``BoundGraph`` when it replaces any of them.
     """
 
     __slots__ = ("device", "flat", "layouts", "positions", "run")

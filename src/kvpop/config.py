@@ -7,7 +7,6 @@ and ``k``. Validation happens here, once, before any model work starts.
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -42,7 +41,9 @@ class AttentionShape:
         return tuple(i for i in range(self.num_layers) if i not in self.bounded)
 
 
-def _text(config):
+def text_config(config):
+    """The decoder's text config of a (possibly multimodal) transformers config: the part whose KV cache kvpop
+    bounds (``decoder=True``: a config with a text encoder too names both, and the encoder has no cache)."""
     get = getattr(config, "get_text_config", None)
     return get(decoder=True) if callable(get) else config
 
@@ -50,7 +51,7 @@ def _text(config):
 def attention_shape(config) -> AttentionShape:
     """Layers, KV heads, head dim and the bounded (full-attention) layers of a (possibly multimodal)
     transformers config."""
-    text = _text(config)
+    text = text_config(config)
     kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     n = int(text.num_hidden_layers)
@@ -66,7 +67,7 @@ def sliding_window_layers(config) -> tuple[int | None, list[int]]:
     the config has them (Gemma 2/3; Qwen2/Qwen3 derive them from ``use_sliding_window`` +
     ``max_window_layers``), else a set ``sliding_window`` applies to every layer (Mistral).
     """
-    text = _text(config)
+    text = text_config(config)
     window = getattr(text, "sliding_window", None)
     if window is None:
         return None, []
@@ -92,7 +93,7 @@ def check_attention(config) -> None:
     full and sliding attention (chunked, linear, ...), and attention logit soft-capping (Gemma 2),
     which kvpop's attention does not apply.
     """
-    text = _text(config)
+    text = text_config(config)
     window, sliding = sliding_window_layers(text)
     n = int(text.num_hidden_layers)
     if sliding and len(sliding) == n:
@@ -115,12 +116,10 @@ def check_attention(config) -> None:
 
 def budget_of_compression(compression: float, reference_length: int | None) -> int:
     """``B = round((1 - r) L)``, with ``r`` in (0, 1) and ``L`` a positive int."""
-    if isinstance(compression, bool) or not isinstance(compression, (int, float)) or not (0.0 < compression < 1.0):
-        raise ValueError(f"compression must be in (0, 1), got {compression!r}")
-    if reference_length is None or isinstance(reference_length, bool) or reference_length < 1:
-        raise ValueError(
-            f"compression={compression} needs reference_length=L (a positive int), got {reference_length!r}"
-        )
+    compression = check_number("compression", compression, above=0.0, below=1.0, optional=False)
+    if reference_length is None:
+        raise ValueError(f"compression={compression} needs reference_length=L (a positive int), got None")
+    reference_length = check_int("reference_length", reference_length, 1, optional=False)
     budget = round((1.0 - compression) * reference_length)
     if budget < 1:
         raise ValueError(f"compression={compression} of reference_length={reference_length} leaves no slots")
@@ -138,21 +137,11 @@ class EvictionConfig:
     prefill_chunk: int | None = None  # prefill sub-chunk length; None = window (the largest exact chunk)
 
     def __post_init__(self) -> None:
-        for name in ("sinks", "window", "k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"EvictionConfig.{name} must be an int, got {type(value).__name__}")
-        if self.sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1 (the newest token is always in the window), got {self.window}")
-        if self.k < 0:
-            raise ValueError(f"k (long-range slots) must be >= 0, got {self.k}")
-        if isinstance(self.lam, bool) or not isinstance(self.lam, (int, float)):
-            raise TypeError(f"EvictionConfig.lam must be a number, got {self.lam!r}")
-        if not math.isfinite(self.lam) or self.lam < 0:
-            raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
-        if self.prefill_chunk is not None and not (1 <= self.prefill_chunk <= self.window):
+        for name, least in (("sinks", 0), ("window", 1), ("k", 0)):  # window >= 1: the newest token is in it
+            object.__setattr__(self, name, check_int(name, getattr(self, name), least, optional=False))
+        check_number("lam", self.lam, minimum=0.0, optional=False)
+        check_int("prefill_chunk", self.prefill_chunk, 1)
+        if self.prefill_chunk is not None and self.prefill_chunk > self.window:
             raise ValueError(
                 f"prefill_chunk must be in [1, window={self.window}] for the chunked prefill to be exact, "
                 f"got {self.prefill_chunk}"
@@ -233,7 +222,9 @@ BUDGET_KEYWORDS = tuple(f.name for f in fields(BudgetArgs))
 
 def split_budget(args: BudgetArgs) -> EvictionConfig:
     """The arithmetic of :class:`BudgetArgs`: ``B = sinks + window + k`` from exactly one of
-    ``budget``, ``k`` or ``compression``; ``window`` defaults to :func:`default_window`, ``lam`` to 0."""
+    ``budget``, ``k`` or ``compression``; ``window`` defaults to :func:`default_window`, ``lam`` to 0.
+    Each argument is checked alone first (:meth:`BudgetArgs.checked`), then how they combine."""
+    args = args.checked()
     budget, k, compression, window, sinks = args.budget, args.k, args.compression, args.window, args.sinks
     given = [name for name, v in (("budget", budget), ("k", k), ("compression", compression)) if v is not None]
     if len(given) != 1:
@@ -241,15 +232,9 @@ def split_budget(args: BudgetArgs) -> EvictionConfig:
             "give exactly one of budget=B, k=K, or compression=r (with reference_length=L); "
             f"got {given or 'none'}"
         )
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be an int >= 1, got {window!r}")
     if compression is not None:
         budget = budget_of_compression(compression, args.reference_length)
     if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"budget must be a positive int, got {budget!r}")
         if window is None:
             window = default_window(budget, sinks)
         if budget < sinks + window:
@@ -258,11 +243,8 @@ def split_budget(args: BudgetArgs) -> EvictionConfig:
                 "raise the budget or shrink the window"
             )
         k = budget - sinks - window
-    else:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise ValueError(f"k must be an int >= 0, got {k!r}")
-        if window is None:
-            raise ValueError("with k=K give window=W too (the budget is sinks + window + k)")
+    elif window is None:
+        raise ValueError("with k=K give window=W too (the budget is sinks + window + k)")
     lam = 0.0 if args.lam is None else args.lam
     return EvictionConfig(sinks=sinks, window=window, k=k, lam=lam, prefill_chunk=args.prefill_chunk)
 
@@ -295,6 +277,10 @@ class ScorerSettingsWarning(UserWarning):
 @dataclass(frozen=True)
 class TrainedSettings:
     """What a learned scorer was trained for (a checkpoint's ``trained_for``); caches default to it.
+
+    The one rule for a window and a recency tilt at any budget (:meth:`window_at`, :meth:`lam_at`): a training
+    or adaptation run states its own settings as one, and an evaluation the window it gives every policy, so
+    that no other module computes a window or a tilt.
 
     ``budget_range``: the budgets training drew from (inclusive); ``window_fraction``: the window
     was ``round(fraction * B)`` at every budget (or ``window``: one fixed window); ``lam``: the

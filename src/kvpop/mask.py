@@ -37,7 +37,8 @@ from torch import Tensor
 
 from .attention import attention_implementation, register
 from .config import attention_shape
-from .rule import NEVER, check_count, leave_steps
+from .rule import NEVER, leave_steps
+from .validate import check_int
 
 __all__ = [
     "MASK_ATTN_NAME",
@@ -127,7 +128,7 @@ def learned_priority_fn(scorer, window: int, lam: float = 0.0, sinks: int = 4) -
     that reads observed attention gets it from the layer's queries (``kvpop.observed``, with
     ``sinks`` sink tokens; unpadded rows only).
     """
-    window = check_count("window", window)
+    window = check_int("window", window, 0, optional=False)
     lam = float(lam)
     obs = tuple(scorer.config.observed)
 
@@ -402,9 +403,9 @@ def masked_eviction(
     ``0, 1, ...`` as in :class:`kvpop.KVpopCache` (left padding). The model's attention
     implementation is restored on exit, also on errors.
     """
-    sinks, k = check_count("sinks", sinks), check_count("k", k)
-    window = check_count("window", window, lo=1)
-    query_block = check_count("query_block", query_block, lo=1)
+    sinks, k = check_int("sinks", sinks, 0, optional=False), check_int("k", k, 0, optional=False)
+    window = check_int("window", window, 1, optional=False)
+    query_block = check_int("query_block", query_block, 1, optional=False)
     if backend not in ("auto", "sdpa", "flex"):
         raise ValueError(f"backend must be 'auto', 'sdpa' or 'flex'; got {backend!r}")
     if k > 0 and priority_fn is None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import attention_shape
+from .config import attention_shape, text_config
 
 if TYPE_CHECKING:
     import torch
@@ -677,11 +677,6 @@ class _AdapterInfo:
 # config arithmetic
 
 
-def _text_config(config: Any) -> Any:
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
-
-
 def _itemsize(dtype: torch.dtype | None) -> int:
     """Bytes per element of ``dtype`` (None: float32, the dtype kvpop loads models in)."""
     return 4 if dtype is None else dtype.itemsize
@@ -710,7 +705,7 @@ def kv_bytes_at(config: PretrainedConfig, tokens: int, dtype: torch.dtype | None
 
 def model_summary(config: PretrainedConfig, dtype: torch.dtype | None = None) -> dict:
     """A plain dict describing the attention geometry of ``config`` (for ``kvpop info``)."""
-    c = _text_config(config)
+    c = text_config(config)
     return {
         "model_type": getattr(c, "model_type", None),
         "supported": getattr(c, "model_type", None) in SUPPORTED_MODEL_TYPES,

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from .cache import make_cache
 from .compat import cache_kwargs
 
-__all__ = ["CHUNK", "DenseCache", "DocumentScore", "Probe", "Scores", "Sums", "compare", "continuation_start",
+__all__ = ["CHUNK", "DenseOutputs", "DocumentScore", "Probe", "Scores", "Sums", "compare", "continuation_start",
            "decoder_and_head", "default_continuation_tokens", "dense_logprobs", "doc_key", "hidden_states",
            "lm_start", "logits_of", "position_stats", "score_document", "sums_from_logits", "sums_over",
            "tally", "wins"]  # fmt: skip
@@ -82,8 +82,9 @@ def doc_key(input_ids: Tensor) -> str:
     return hashlib.sha1(ids.numpy().tobytes()).hexdigest()
 
 
-class DenseCache:
-    """Dense results per document, shared by all policies and budgets.
+class DenseOutputs:
+    """Dense results per document (final hidden states and greedy generations, not a KV cache), shared by
+    all policies and budgets.
 
     Hidden states of a prefix of a stored document are a slice of the stored ones (causal
     model), so a continuation / agreement prompt cut from an LM document costs no new forward.

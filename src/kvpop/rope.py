@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .config import text_config
+
 
 @dataclass(frozen=True)
 class RopeSpec:
@@ -30,7 +32,7 @@ class RopeSpec:
 
     @classmethod
     def from_config(cls, config) -> RopeSpec:
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         params = dict(getattr(text, "rope_parameters", None) or {})
         layer_type = None
         if isinstance(params.get("full_attention"), dict):  # per layer type (Gemma 3): the full layers' RoPE,

@@ -22,20 +22,14 @@ from __future__ import annotations
 
 import heapq
 import math
-import numbers
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from .validate import check_int
+
 NEVER = torch.iinfo(torch.int64).max  # "leave step" of a token that is still held
-
-
-def check_count(name: str, value, lo: int = 0) -> int:
-    """``value`` as an ``int >= lo`` (any integral number, not a bool), else one ``ValueError`` naming it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}; got {value!r}")
-    return int(value)
 
 
 def ranks_above(prio_a: torch.Tensor, idx_a: torch.Tensor, prio_b: torch.Tensor, idx_b: torch.Tensor) -> torch.Tensor:
@@ -216,7 +210,9 @@ def leave_steps(priority: Tensor, sinks: int, window: int, k: int) -> Tensor:
     """
     if not isinstance(priority, Tensor) or priority.ndim != 3:
         raise ValueError("priority must be a tensor [batch, heads, S]")
-    sinks, window, k = check_count("sinks", sinks), check_count("window", window), check_count("k", k)
+    sinks = check_int("sinks", sinks, 0, optional=False)
+    window = check_int("window", window, 0, optional=False)
+    k = check_int("k", k, 0, optional=False)
     b, h, S = priority.shape
     dev = priority.device
     leave = torch.full((b, h, S), NEVER, dtype=torch.long, device=dev)
@@ -299,9 +295,9 @@ def kept_mask_static(priority: Tensor, window: int, budget_k: int, sinks: int) -
         raise ValueError("priority must be a tensor [batch, kv_heads, S]")
     if bool(torch.isnan(priority).any()):
         raise ValueError("priority contains NaN")
-    window = check_count("window", window)
-    budget_k = check_count("budget_k", budget_k)
-    sinks = check_count("sinks", sinks)
+    window = check_int("window", window, 0, optional=False)
+    budget_k = check_int("budget_k", budget_k, 0, optional=False)
+    sinks = check_int("sinks", sinks, 0, optional=False)
     B, H, S = priority.shape
     t = torch.arange(S, device=priority.device)
     kept = (t < sinks) | (t >= S - window)

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .rule import boundary_walk, check_count
+from .rule import boundary_walk
+from .validate import check_int
 
 __all__ = ["TeacherLabels", "finish_labels", "label_steps", "static_priority", "teacher_labels",
            "validate_labels_args"]
@@ -88,9 +89,9 @@ def static_priority(target: Tensor, lam: float = 0.0) -> Tensor:
 
 
 def validate_labels_args(target: Tensor, window, budget_k, sinks, lam) -> tuple[Tensor, int, int, int]:
-    window = check_count("window", window)
-    budget_k = check_count("budget_k", budget_k)
-    sinks = check_count("sinks", sinks)
+    window = check_int("window", window, 0, optional=False)
+    budget_k = check_int("budget_k", budget_k, 0, optional=False)
+    sinks = check_int("sinks", sinks, 0, optional=False)
     return static_priority(target, lam), window, budget_k, sinks
 
 
@@ -108,7 +109,7 @@ def label_steps(S: int, window: int, sinks: int, query_steps, min_future) -> tup
             raise ValueError(f"query_steps must lie in [sinks + window, S - 1] = [{sinks + window}, {S - 1}]")
         sel = qs - (sinks + window)
     if min_future is not None:
-        check_count("min_future", min_future)
+        check_int("min_future", min_future, 0, optional=False)
     return q_all, sel
 
 

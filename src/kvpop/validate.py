@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_int", "check_number", "check_prompts"]
+__all__ = ["check_int", "check_number", "check_prompts", "parse_shard"]
 
 
 def check_int(name: str, value, minimum: int | None = None, *, optional: bool = True) -> int | None:
@@ -61,3 +61,20 @@ def check_prompts(prompt, name: str = "prompt") -> list[str]:
         where = "" if isinstance(prompt, str) else f" (item {empty[0]} of the list)"
         raise ValueError(f"{name} is empty{where}: give at least one character of text")
     return prompts
+
+
+def parse_shard(shard) -> tuple[int, int] | None:
+    """``"I/N"`` (or ``(I, N)``) as ``(I, N)`` with ``1 <= I <= N``: the I-th of N parts a command's work is split
+    into (processes sharing an output folder); None stays None (the whole work)."""
+    if shard is None:
+        return None
+    if isinstance(shard, str):
+        try:
+            i, n = (int(x) for x in shard.split("/"))
+        except ValueError:
+            raise ValueError(f"shard must look like I/N (e.g. 1/2), got {shard!r}") from None
+    else:
+        i, n = shard
+    if not 1 <= i <= n:
+        raise ValueError(f"shard {i}/{n}: need 1 <= I <= N")
+    return i, n

@@ -12,7 +12,7 @@ import torch
 
 from ..adapters import DEFAULT_LORA_TARGETS
 from ..checkpoint import read_header
-from ..config import EvictionConfig, TrainedSettings, default_window, resolve_eviction
+from ..config import EvictionConfig, TrainedSettings, resolve_eviction
 from ..data import CORPORA
 from ..runs import RunSettings
 from ..train.config import TRAIN_CORPORA
@@ -120,39 +120,34 @@ class AdaptConfig(RunSettings):
         """The starting scorer's trained settings (None without a scorer)."""
         return TrainedSettings.from_meta(self._trained_for()) if self.scorer else None
 
-    def window_for(self, budget: int) -> int:
-        """The protected window at ``budget``: ``B - sinks`` for the streaming mask, else the
-        explicit window, the window fraction, or what the one resolver gives (the scorer's trained
-        fraction of ``B``, else the library default)."""
+    def rule(self) -> TrainedSettings | None:
+        """The window and recency tilt of a kvpop-mask run at every budget, as the one resolver states them:
+        the run's ``window`` / ``window_fraction`` / ``lam`` where set, else the starting scorer's trained
+        ones, else the library defaults (what its bundle records). None for the streaming mask (StreamingLLM+:
+        window ``B - sinks``, no long-range slot, lam 0)."""
         if self.mask == "streaming":
-            return budget - self.sinks
-        if self.window is not None:
-            return int(self.window)
-        if self.window_fraction is not None:
-            return default_window(budget, self.sinks, self.window_fraction)
-        return resolve_eviction(budget, sinks=self.sinks, lam=0.0, trained=self.trained_settings(), warn=False).window
-
-    def lam_scale(self) -> float | None:
-        """The starting scorer's ``lam_scale`` when the run follows it (lam = lam_scale / B), else None."""
-        if self.mask == "streaming" or self.lam is not None:
             return None
         trained = self.trained_settings()
-        return None if trained is None else trained.lam_scale
-
-    def lam_value(self, budget: int | None = None) -> float:
-        """The recency tilt at ``budget``: the run's ``lam``, or the starting scorer's (its ``lam_scale / B``
-        when it scales with the budget; 0 without a budget, which is what ``trained_for`` then records)."""
-        if self.mask == "streaming":
-            return 0.0
+        window, fraction = self.window, self.window_fraction
+        if window is None and fraction is None and trained is not None:
+            window, fraction = trained.window, trained.window_fraction
         if self.lam is not None:
-            return float(self.lam)
-        trained = self.trained_settings()
-        if trained is None:
-            return 0.0
-        return trained.lam if trained.lam_scale is None or budget is None else trained.lam_at(budget)
+            lam, lam_scale = float(self.lam), None
+        else:
+            lam, lam_scale = (0.0, None) if trained is None else (trained.lam, trained.lam_scale)
+        return TrainedSettings(window=None if window is None else int(window), window_fraction=fraction, lam=lam,
+                               lam_scale=lam_scale)
 
     def eviction(self, budget: int) -> EvictionConfig:
-        return EvictionConfig.from_budget(budget, window=self.window_for(budget), sinks=self.sinks, lam=self.lam_value(budget))
+        rule = self.rule()
+        if rule is None:
+            return resolve_eviction(budget, window=budget - self.sinks, sinks=self.sinks, lam=0.0, warn=False)
+        return resolve_eviction(budget, sinks=self.sinks, trained=rule, warn=False)
+
+    def budget_windows(self) -> dict[str, int]:
+        """``{budget: window}`` of ``budgets`` (what the resume check and a ``--budgets`` bundle record)."""
+        rule = self.rule()
+        return {str(b): b - self.sinks if rule is None else rule.window_at(b, self.sinks) for b in self.budgets}
 
     def step_eviction(self, step: int) -> EvictionConfig:
         """The budget and split of step ``step`` (deterministic per seed and step): one of ``budgets``, or
@@ -169,30 +164,27 @@ class AdaptConfig(RunSettings):
         budget range adapted over, the window as a fraction of B (the starting scorer's, unless the run
         set one), the lam; ``budgets`` / ``windows`` list what a ``--budgets`` run drew."""
         lo_hi = self.budget_range or (min(self.budgets), max(self.budgets))
-        window, fraction = self.window, self.window_fraction
-        if window is None and fraction is None and self.mask == "kvpop":
-            trained = self.trained_settings()  # the starting scorer's rule
-            if trained is not None:
-                window, fraction = trained.window, trained.window_fraction
+        rule = self.rule()
         return {
             "budget_range": list(lo_hi),
-            "window": window if self.mask == "kvpop" else None,
-            "window_fraction": fraction,
+            "window": None if rule is None else rule.window,
+            "window_fraction": self.window_fraction if rule is None else rule.window_fraction,
             "budgets": list(self.budgets) if self.budget_range is None else None,
-            "windows": {str(b): self.window_for(b) for b in self.budgets} if self.budget_range is None else None,
+            "windows": self.budget_windows() if self.budget_range is None else None,
             "sinks": self.sinks,
-            "lam": self.lam_value(),
-            "lam_scale": self.lam_scale(),
+            "lam": 0.0 if rule is None else rule.lam,
+            "lam_scale": None if rule is None else rule.lam_scale,
             "seq_len": self.seq_len,
         }
 
     def resume_view(self) -> dict:
         d = asdict(self)
         view = {k: (list(d[k]) if isinstance(d[k], tuple) else d[k]) for k in RESUME_KEYS}
-        view["windows"] = {str(b): self.window_for(b) for b in self.budgets}
-        view["lam"] = self.lam_value()
-        if self.lam_scale() is not None:  # only runs from such a scorer record it: older runs resume as before
-            view["lam_scale"] = self.lam_scale()
+        rule = self.rule()
+        view["windows"] = self.budget_windows()
+        view["lam"] = 0.0 if rule is None else rule.lam
+        if rule is not None and rule.lam_scale is not None:  # only runs from such a scorer record it: older runs
+            view["lam_scale"] = rule.lam_scale  # resume as before
         view["scorer_sha256"] = self.scorer_sha256()
         return view
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -25,14 +25,15 @@ import torch
 from ..adapters import base_model, load_adapter_bundle, read_bundle_meta
 from ..cache import make_cache
 from ..checkpoint import load_scorer
-from ..config import TrainedSettings, resolve_eviction, tilt_at
+from ..config import TrainedSettings, resolve_eviction
 from ..policies import LearnedPolicy
 from ..quality import DocumentScore, Probe, Scores, Sums, hidden_states, score_document
 from ..train.data import SequenceSource
 from ..train.quality import VALIDATION_SEED
+from ..validate import parse_shard
 from .config import AdaptConfig
 
-__all__ = ["AdaptProbe", "Comparison", "compare_adapted", "merge_validations", "parse_shard"]
+__all__ = ["AdaptProbe", "Comparison", "compare_adapted", "merge_validations"]
 
 
 def _metrics(sums: Sums) -> dict:
@@ -50,17 +51,6 @@ def _both_tasks(s: Scores, key: str, windows: list[int] | None = None) -> dict:
             row["window"] = j
             row["sums"] = {"lm": asdict(d.lm), "continuation": asdict(d.continuation)}
     return {**_metrics(s.lm()), "continuation": _metrics(s.continuation()), "per_doc": rows}
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """``"I/N"`` -> ``(I, N)`` with ``1 <= I <= N``."""
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise ValueError(f"shard must be I/N (e.g. 1/2), got {text!r}") from None
-    if not 1 <= i <= n:
-        raise ValueError(f"shard must be I/N with 1 <= I <= N, got {text!r}")
-    return i, n
 
 
 def merge_validations(parts: list[dict]) -> dict:
@@ -116,9 +106,7 @@ class AdaptProbe:
                  shard: tuple[int, int] | None = None) -> None:  # fmt: skip
         self.model, self.frozen, self.cfg = model, frozen, cfg
         n = cfg.val_docs if n_docs is None else n_docs
-        i, k = (1, 1) if shard is None else shard
-        if not 1 <= i <= k:
-            raise ValueError(f"shard must be (I, N) with 1 <= I <= N, got {shard!r}")
+        i, k = parse_shard(shard) or (1, 1)
         self.windows = [j for j in range(n) if j % k == i - 1]
         source = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED)
         self.probe = Probe([source.get(j) for j in self.windows], self._base_hidden)
@@ -189,12 +177,6 @@ class AdaptProbe:
 # --------------------------------------------------------------------------------------------
 
 
-def _window(tf: dict, budget: int, sinks: int, windows: dict | None) -> int:
-    if windows and budget in windows:
-        return int(windows[budget])
-    return resolve_eviction(budget, sinks=sinks, lam=0.0, trained=TrainedSettings.from_meta(tf), warn=False).window
-
-
 class Comparison:
     """The report's models and policies, built once; :meth:`document` scores one document.
 
@@ -218,10 +200,14 @@ class Comparison:
         if not self.budgets:
             raise ValueError("give budgets (the bundle records none)")
         self.sinks = int(tf.get("sinks", 4) if sinks is None else sinks)
-        self.lam = float(tf.get("lam") or 0.0) if lam is None else float(lam)
-        # a bundle whose tilt scales with the budget (lam = lam_scale / B), unless lam= was given
-        self.lam_scale = None if lam is not None or tf.get("lam_scale") is None else float(tf["lam_scale"])
-        self.windows = {b: _window(tf, b, self.sinks, windows) for b in self.budgets}
+        # what the bundle was trained for (its tilt may scale with the budget: lam_scale / B), unless lam= was given
+        self.rule = TrainedSettings.from_meta(tf) or TrainedSettings()
+        if lam is not None:
+            self.rule = replace(self.rule, lam=float(lam), lam_scale=None)
+        windows = windows or {}
+        self.windows = {b: int(windows[b]) if b in windows else
+                        resolve_eviction(b, sinks=self.sinks, trained=self.rule, warn=False).window
+                        for b in self.budgets}  # fmt: skip
         self.base_model = base_model.eval()
         adapted = load_adapter_bundle(copy.deepcopy(base_model), bundle, merge=merge)
         if adapted.scorer is None:
@@ -256,15 +242,11 @@ class Comparison:
         if streaming_bundle is not None:
             self.rows["streaming+ dense"] = (stream_model, None, stream_source)
         self.settings = {
-            "windows": {str(b): w for b, w in self.windows.items()}, "sinks": self.sinks, "lam": self.lam,
-            "lam_scale": self.lam_scale,
+            "windows": {str(b): w for b, w in self.windows.items()}, "sinks": self.sinks, "lam": self.rule.lam,
+            "lam_scale": self.rule.lam_scale,
             "bundle": str(bundle), "streaming_bundle": None if streaming_bundle is None else str(streaming_bundle),
             "base_scorer": base_source, "merged": merge,
         }  # fmt: skip
-
-    def lam_at(self, budget: int) -> float:
-        """The learned rows' recency tilt at ``budget``."""
-        return tilt_at(budget, self.lam, self.lam_scale)
 
     @torch.no_grad()
     def base_hidden(self, ids: torch.Tensor) -> torch.Tensor:
@@ -286,7 +268,7 @@ class Comparison:
             else:
                 stream = policy == "streaming"
                 cache = make_cache(m, policy, budget=b, window=b - self.sinks if stream else self.windows[b],
-                                   sinks=self.sinks, lam=0.0 if stream else self.lam_at(b))  # fmt: skip
+                                   sinks=self.sinks, lam=0.0 if stream else self.rule.lam_at(b))  # fmt: skip
                 ph = hidden_states(m, ids, cache)
             out[b] = score_document(self.base_model, ids, base_hidden, ph, b)
         return out

@@ -30,6 +30,7 @@ from ..evaluate.store import RecordStore, StoreMismatch
 from ..files import atomic_write
 from ..plotting import pyplot, save_figure
 from ..quality import Sums, doc_key, wins
+from ..validate import parse_shard
 from .quality import Comparison
 
 ROW_ORDER = ("adapted kvpop", "base kvpop", "adapted streaming", "base streaming", "adapted dense", "streaming+ dense")
@@ -97,7 +98,7 @@ def _check(args) -> tuple[list[int], tuple[int, int] | None]:
         if not 0.0 < c < 1.0:
             raise ValueError(f"--compression values must be in (0, 1), got {c}")
         budgets.append(budget_of_compression(c, args.doc_tokens))
-    return budgets, harness.parse_shard(args.shard)
+    return budgets, parse_shard(args.shard)
 
 
 # ------------------------------------------------------------------------------ aggregation

@@ -21,10 +21,13 @@ round-robin order exposes every method to the same background load).  Rounds sto
 the total exceeds ``budget_s`` (at least one timed round).
 
 Memory: each method also runs once in its own fresh subprocess: inputs allocated, kernels loaded
-by a tiny warm-up, then ``peak_extra_bytes`` = peak resident set size (``ru_maxrss``) during the
-call minus the RSS just before it.  It is the extra memory the call needs on top of its inputs,
-as the OS sees it (allocator caching included); CPU tensors have no allocator statistics in
-torch, and separate processes keep the peaks independent of each other.
+by a tiny warm-up, then ``peak_extra_bytes`` = peak resident set size during the call minus the RSS
+just before it.  It is the extra memory the call needs on top of its inputs, as the OS sees it
+(allocator caching included); CPU tensors have no allocator statistics in torch, and separate
+processes keep the peaks independent of each other.  On Linux the peak is the process's own
+high-water mark (``VmHWM``, reset just before the call): ``ru_maxrss`` carries the parent's peak
+over a fork, so a worker started from a large process (a test session) reported the parent's
+memory as its own.  Elsewhere it is ``ru_maxrss``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,24 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _maxrss_bytes() -> int:
+def _reset_peak() -> bool:
+    """Reset this process's RSS high-water mark to its current RSS (Linux); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_bytes(reset: bool) -> int:
+    """Peak RSS: since :func:`_reset_peak` where it worked (``VmHWM``), else ``ru_maxrss`` (since the start of
+    the process, and on Linux including the parent's peak at the fork)."""
+    if reset:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
 
@@ -96,10 +116,11 @@ def _worker(spec: dict) -> dict:
             (m,) = methods
             fn = make_fn(m, q, k, v, window)
             base = _rss_bytes()
+            reset = _reset_peak()
             t0 = time.perf_counter()
             fn()
             first = time.perf_counter() - t0
-            peak = _maxrss_bytes() - base
+            peak = _peak_bytes(reset) - base
             return {"S": S, "method": m, "peak_extra_bytes": max(0, peak), "single_call_s": first}
         fns = {m: make_fn(m, q, k, v, window) for m in methods}
         for fn in fns.values():  # warm-up call each

@@ -14,7 +14,7 @@ The measurement itself (one forward under the cache, scored against the dense fo
 CLI: ``kvpop eval ...`` (see :mod:`kvpop.evaluate.cli`).
 """
 
-from ..quality import DenseCache, Sums, sums_from_logits
+from ..quality import DenseOutputs, Sums, sums_from_logits
 from .core import ALL_POLICIES, DENSE, PolicyUnavailable, build_cache, policy_available, teacher_forced
 from .harness import (
     EvalConfig,
@@ -36,7 +36,7 @@ __all__ = [
     "DENSE",
     "IN_DOMAIN",
     "TASKS",
-    "DenseCache",
+    "DenseOutputs",
     "EvalConfig",
     "PolicyUnavailable",
     "Sums",

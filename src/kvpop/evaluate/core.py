@@ -16,10 +16,10 @@ from torch import Tensor
 
 from ..cache import KVpopCache, make_cache
 from ..capture import capturing
-from ..config import EvictionConfig, attention_shape
+from ..config import EvictionConfig, attention_shape, resolve_eviction
 from ..mask import masked_eviction
 from ..policies import DENSE, POLICIES, TEACHER_FORCED_ONLY, OraclePolicy, Policy, policy_names
-from ..quality import CHUNK, DenseCache, decoder_and_head, hidden_states, logits_of, score_document
+from ..quality import CHUNK, DenseOutputs, decoder_and_head, hidden_states, logits_of, score_document
 
 ORACLE = TEACHER_FORCED_ONLY[0]
 ALL_POLICIES = tuple(policy_names())
@@ -63,10 +63,6 @@ def oracle_targets_multi(model, input_ids: Tensor, windows) -> dict[int, list[Te
     return out
 
 
-def oracle_window(budget: int, sinks: int, window: int | None) -> int:
-    return EvictionConfig.from_budget(budget, window=window, sinks=sinks).window
-
-
 def build_cache(model, name: str | Policy, budget: int, *, sinks: int = 4, window: int | None = None,
                 oracle: dict[int, list[Tensor]] | None = None, lam: float | None = None,
                 **policy_kwargs) -> KVpopCache | None:  # fmt: skip
@@ -75,7 +71,7 @@ def build_cache(model, name: str | Policy, budget: int, *, sinks: int = 4, windo
     ``window=None`` is passed through to :func:`kvpop.make_cache`, so every policy gets its own
     default (StreamingLLM: ``sinks`` + a window of the rest of the budget); the resolved layout is
     ``cache.eviction``. ``oracle``: ``{window: targets}`` (:func:`oracle_targets_multi`) holding the
-    oracle's window (``EvictionConfig.from_budget(budget, window=window, sinks=sinks).window``).
+    oracle's window (``kvpop.config.resolve_eviction(budget, window=window, sinks=sinks).window``).
     ``name`` may be a policy instance (resolved once per run: no checkpoint read, no weight hash).
     Anything that keeps the policy from being built is raised as :class:`PolicyUnavailable`.
     """
@@ -86,7 +82,7 @@ def build_cache(model, name: str | Policy, budget: int, *, sinks: int = 4, windo
         return None
     try:
         if name == ORACLE:
-            ev = EvictionConfig.from_budget(budget, window=window, sinks=sinks, lam=lam or 0.0)
+            ev = resolve_eviction(budget, window=window, sinks=sinks, lam=lam or 0.0)
             if oracle is None or ev.window not in oracle:
                 raise PolicyUnavailable(f"oracle needs the targets of window {ev.window} (the whole sequence in advance)")
             return make_cache(model, OraclePolicy(oracle[ev.window]), eviction=ev)
@@ -98,7 +94,7 @@ def build_cache(model, name: str | Policy, budget: int, *, sinks: int = 4, windo
 
 
 @torch.no_grad()
-def teacher_forced(model, input_ids: Tensor, policy: str, budget: EvictionConfig, *, dense: DenseCache | None = None,
+def teacher_forced(model, input_ids: Tensor, policy: str, budget: EvictionConfig, *, dense: DenseOutputs | None = None,
                    policy_kwargs: dict | None = None) -> dict:  # fmt: skip
     """Teacher-forced metrics of one document (1-D ids) under ``policy`` at ``budget``: the ``lm`` task
     of :func:`kvpop.quality.score_document` (positions ``>= B``; every position when ``B`` leaves none,
@@ -108,7 +104,7 @@ def teacher_forced(model, input_ids: Tensor, policy: str, budget: EvictionConfig
     input_ids = input_ids.view(-1).cpu()
     if input_ids.numel() < 2:
         raise ValueError("a document needs at least 2 tokens")
-    dense = dense if dense is not None else DenseCache()
+    dense = dense if dense is not None else DenseOutputs()
     dh, _ = dense.get(model, input_ids)
     t0 = time.perf_counter()
     oracle = oracle_targets_multi(model, input_ids, [budget.window]) if policy == ORACLE else None

@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from ..config import TrainedSettings, resolve_eviction
 from ..files import atomic_write
 from ..policies import Policy
 from ..quality import continuation_start, dense_logprobs, doc_key, hidden_states, lm_start, score_document
@@ -31,7 +32,6 @@ from .core import (
     build_cache,
     nll_positions,
     oracle_targets_multi,
-    oracle_window,
     policy_available,
     window_only_hidden,
 )
@@ -69,7 +69,7 @@ class Settings:
 
     sinks: int = 4
     window: int | None = None
-    window_fraction: float | None = None  # window = round(fraction * B) for every policy (when window is None)
+    window_fraction: float | None = None  # window = round(fraction * B), room left for the sinks (when window is None)
     lam: float | None = None  # recency tilt for every policy (None: each policy's own)
     longdep_threshold: float = 0.5
     continuation_tokens: int = 256
@@ -92,14 +92,11 @@ class Settings:
         return self.resolved[name]
 
     def window_for(self, budget: int) -> int | None:
-        """The protected window of every policy at ``budget`` (None: each policy's own default)."""
-        return resolve_window(budget, self.window, self.window_fraction)
-
-
-def resolve_window(budget: int, window: int | None, fraction: float | None) -> int | None:
-    if window is not None or fraction is None:
-        return window
-    return max(1, round(fraction * budget))
+        """The protected window of every policy at ``budget``: ``window``, else the one resolver's rule at
+        ``window_fraction`` of ``B`` (leaving room for the sinks); None: each policy's own default."""
+        if self.window is None and self.window_fraction is None:
+            return None
+        return TrainedSettings(window=self.window, window_fraction=self.window_fraction).window_at(budget, self.sinks)
 
 
 def units_of(item: Item, policies, budgets) -> list[tuple[str, int | None]]:
@@ -259,7 +256,8 @@ class ItemContext:
 
     def oracle(self) -> dict[int, list[Tensor]]:
         if self._oracle is None:
-            windows = sorted({oracle_window(b, self.s.sinks, self.s.window_for(b)) for b in self.s.budgets})
+            windows = sorted({resolve_eviction(b, sinks=self.s.sinks, window=self.s.window_for(b)).window
+                              for b in self.s.budgets})  # fmt: skip
 
             def run():
                 t = oracle_targets_multi(self.model, self.sequence(), windows)

@@ -36,12 +36,14 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..checkpoint import DEFAULT_SCORERS, WEIGHTS_SAMPLED_KEY, model_fingerprint, read_header
-from ..config import EvictionConfig, budget_of_compression
+from ..config import EvictionConfig, TrainedSettings, resolve_eviction
 from ..data import SPLITS, list_corpora, load_documents, long_documents, read_user_documents
 from ..policies import KIND_TO_POLICY
 from ..policies.learned import ADAPTER_ATTR
+from ..quality import default_continuation_tokens
+from ..validate import parse_shard
 from .core import ALL_POLICIES, DENSE, ORACLE, PolicyUnavailable, build_cache, policy_available
-from .grid import SHARED_DIR, Item, ItemContext, Settings, SharedStore, item_cost, partition, resolve_window, units_of
+from .grid import SHARED_DIR, Item, ItemContext, Settings, SharedStore, item_cost, partition, units_of
 from .plots import plot_results
 from .report import markdown_report, text_table
 from .stats import aggregate
@@ -109,18 +111,24 @@ class EvalConfig:
     bootstrap: int = 2000  # resamples for the 95% intervals
 
     def budgets(self) -> list[EvictionConfig]:
-        """One resolved budget per compression (``EvictionConfig.from_budget``: the one resolver)."""
-        return [
-            EvictionConfig.from_budget(
-                compression=c, reference_length=self.reference_length, sinks=self.sinks,
-                window=resolve_window(budget_of_compression(c, self.reference_length), self.window,
-                                      self.window_fraction),
-            )
-            for c in self.compressions
-        ]  # fmt: skip
+        """One resolved budget per compression (:func:`kvpop.config.resolve_eviction`, the one resolver), at
+        the window every policy gets (:meth:`Settings.window_for`), else the library default ``B / 2``."""
+        rule = TrainedSettings(window=self.window, window_fraction=self.window_fraction)
+        return [resolve_eviction(compression=c, reference_length=self.reference_length, sinks=self.sinks, trained=rule,
+                                 warn=False) for c in self.compressions]  # fmt: skip
+
+    def settings(self) -> Settings:
+        """What every unit of this run depends on besides its item, policy and budget."""
+        return Settings(
+            sinks=self.sinks, window=self.window, window_fraction=self.window_fraction, lam=self.lam,
+            longdep_threshold=self.longdep_threshold,
+            continuation_tokens=self.cont_tokens(), agreement_tokens=self.agreement_tokens,
+            reference_length=self.reference_length, budgets=tuple(b.budget for b in self.budgets()),
+            policy_kwargs=dict(self.policy_kwargs or {}),
+        )  # fmt: skip
 
     def cont_tokens(self) -> int:
-        return self.continuation_tokens or max(1, self.doc_tokens // 16)
+        return self.continuation_tokens or default_continuation_tokens(self.doc_tokens)
 
     def prompt_tokens(self) -> int:
         return max(1, self.doc_tokens - self.agreement_tokens)
@@ -241,14 +249,14 @@ def default_filler(cfg: EvalConfig) -> str:
 def check_policies(model, cfg: EvalConfig) -> tuple[list[str], dict[str, str]]:
     """(available, {unavailable: reason}): each requested policy is built once for ``model`` at the
     first budget (a learned scorer checks it was trained for this model), before any long work."""
-    budget = cfg.budgets()[0].budget
+    settings = cfg.settings()
+    budget = settings.budgets[0]
     ok, bad = [], {}
     for p in dict.fromkeys(cfg.policies):
         reason = policy_available(p)
         if reason is None and p not in (DENSE, ORACLE):
             try:
-                window = resolve_window(budget, cfg.window, cfg.window_fraction)
-                build_cache(model, p, budget, sinks=cfg.sinks, window=window, lam=cfg.lam,
+                build_cache(model, p, budget, sinks=cfg.sinks, window=settings.window_for(budget), lam=cfg.lam,
                             **dict((cfg.policy_kwargs or {}).get(p, {})))  # fmt: skip
             except PolicyUnavailable as exc:
                 reason = str(exc)
@@ -400,21 +408,6 @@ def fingerprint(model, cfg: EvalConfig) -> dict:
     return fp
 
 
-def parse_shard(shard) -> tuple[int, int] | None:
-    if shard is None:
-        return None
-    if isinstance(shard, str):
-        try:
-            i, n = (int(x) for x in shard.split("/"))
-        except ValueError:
-            raise ValueError(f"shard must look like I/N (e.g. 1/2), got {shard!r}") from None
-    else:
-        i, n = shard
-    if not 1 <= i <= n:
-        raise ValueError(f"shard {i}/{n}: need 1 <= I <= N")
-    return i, n
-
-
 @torch.no_grad()
 def run_eval(
     model,
@@ -462,12 +455,7 @@ def run_eval(
 
     in_domain = in_domain_corpora(model, cfg, notes) if documents is None else ()
     items = build_items(tokenizer, cfg, notes, documents, filler, in_domain)
-    settings = Settings(
-        sinks=cfg.sinks, window=cfg.window, window_fraction=cfg.window_fraction, lam=cfg.lam,
-        longdep_threshold=cfg.longdep_threshold,
-        continuation_tokens=cfg.cont_tokens(), agreement_tokens=cfg.agreement_tokens,
-        reference_length=cfg.reference_length, budgets=tuple(budgets), policy_kwargs=dict(cfg.policy_kwargs or {}),
-    )  # fmt: skip
+    settings = cfg.settings()
     plan = [(it, units_of(it, policies, budgets)) for it in items]
     costs = [item_cost(it, u, settings) for it, u in plan]
     if dry_run:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-__all__ = ["BaseScorer", "ScorerConfig", "across_heads", "feature_dim", "head_linear", "kv_features"]
+__all__ = ["BaseScorer", "ScorerConfig", "across_heads", "feature_dim", "head_linear", "head_score", "kv_features"]
 
 
 @dataclass
@@ -165,6 +165,15 @@ def head_linear(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
         return torch.baddbmm(b.unsqueeze(1), x[0], w).unsqueeze(0)
     out = torch.baddbmm(b.unsqueeze(1), x.transpose(0, 1).reshape(H, B * N, I), w)
     return out.view(H, B, N, -1).transpose(0, 1)
+
+
+def head_score(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    """Per-head linear score: x [B, H, N, I] . w [H, I, 1] + b [H] -> [B, H, N] (:func:`head_linear`), or
+    x [B, H, I] (one row per head: a decode step) -> [B, H] as a broadcast-and-sum, which ``torch.compile``
+    fuses into its loops instead of calling BLAS for a dot product."""
+    if x.dim() == 3:
+        return (x * w.squeeze(-1)).sum(-1) + b
+    return head_linear(x, w, b.unsqueeze(-1)).squeeze(-1)
 
 
 class BaseScorer(nn.Module):

@@ -16,6 +16,7 @@ Both equal ``step_and_read`` with one new and one read token to float tolerance 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +24,34 @@ from torch import Tensor
 
 from ..observed import observed_features
 from ..rope import unrotate
-from .base import across_heads, head_linear, kv_features
-from .mlstm import mlstm_step
+from .base import across_heads, head_linear, head_score, kv_features
+from .mlstm import mlstm_read, mlstm_step, score_head
 
-__all__ = ["DecodeSpec", "decode_params", "decode_scores", "decode_spec"]
+__all__ = ["DecodeSpec", "MLPParams", "MLSTMParams", "decode_params", "decode_scores", "decode_spec"]
+
+
+class MLSTMParams(NamedTuple):
+    """An mLSTM layer's weights for :func:`decode_scores` (``KVpopMLSTM``'s parameters), the RoPE inverse
+    frequencies when its keys are position-free, and its layer's recency tilt (None when unused)."""
+
+    w_proj: Tensor
+    b_proj: Tensor
+    w_extra: Tensor | None
+    w_out: Tensor
+    b_out: Tensor
+    inv_freq: Tensor | None
+    lam: Tensor | None
+
+
+class MLPParams(NamedTuple):
+    """An MLP layer's weights for :func:`decode_scores` (``KVpopMLP``'s parameters), as :class:`MLSTMParams`."""
+
+    w1: Tensor
+    b1: Tensor
+    w2: Tensor
+    b2: Tensor
+    inv_freq: Tensor | None
+    lam: Tensor | None
 
 
 @dataclass(frozen=True)
@@ -76,25 +101,22 @@ def decode_spec(stack, window: int | None) -> DecodeSpec:
     )
 
 
-def decode_params(stack, layer_idx: int) -> tuple[Tensor | None, ...]:
-    """The weights :func:`decode_scores` needs for one layer (detached views of the parameters).
-
-    mLSTM: ``(w_proj, b_proj, w_extra, w_out, b_out, inv_freq, lam)``; MLP: ``(w1, b1, w2, b2,
-    inv_freq, lam)``; ``w_extra`` / ``inv_freq`` / ``lam`` are None when unused.
-    """
+def decode_params(stack, layer_idx: int) -> MLSTMParams | MLPParams:
+    """The weights :func:`decode_scores` needs for one layer (detached views of the parameters: inference
+    builds no autograd graph, and in-place weight updates show through them)."""
     layer = stack[layer_idx]
     inv = stack.rope_inv_freq if stack.config.position_free else None
     lam = stack.tilt()
     lam = None if lam is None else lam[layer_idx]
     if stack.config.kind == "mlstm":
-        params = (layer.w_proj, layer.b_proj, layer.w_extra, layer.w_out, layer.b_out, inv, lam)
+        params = MLSTMParams(layer.w_proj, layer.b_proj, layer.w_extra, layer.w_out, layer.b_out, inv, lam)
     else:
-        params = (layer.w1, layer.b1, layer.w2, layer.b2, inv, lam)
-    return tuple(None if p is None else p.detach() for p in params)  # inference: no autograd graph
+        params = MLPParams(layer.w1, layer.b1, layer.w2, layer.b2, inv, lam)
+    return params._make(None if p is None else p.detach() for p in params)
 
 
-def decode_scores(spec: DecodeSpec, params: tuple, state, k_new: Tensor, v_new: Tensor, k_read: Tensor,
-                  v_read: Tensor, t_new: Tensor, t_read: Tensor, observed: Tensor | None):
+def decode_scores(spec: DecodeSpec, params: MLSTMParams | MLPParams, state, k_new: Tensor, v_new: Tensor,
+                  k_read: Tensor, v_read: Tensor, t_new: Tensor, t_read: Tensor, observed: Tensor | None):  # fmt: skip
     """One new token (``k_new``/``v_new [b, h, 1, d]`` at ``t_new [b]``) enters the scorer's state and
     one token (``k_read``/``v_read`` at ``t_read``, with ``observed [b, h, 1, n]``) is scored.
 
@@ -104,12 +126,10 @@ def decode_scores(spec: DecodeSpec, params: tuple, state, k_new: Tensor, v_new: 
         k = torch.cat([k_new, k_read], 2).float()
         v = torch.cat([v_new, v_read], 2).float()
         pos = torch.stack([t_new, t_read], 1)
-        inv, lam = params[5], params[6]
     else:
         k, v, pos = k_read.float(), v_read.float(), t_read.unsqueeze(1)
-        inv, lam = params[4], params[5]
     if spec.position_free:
-        k = unrotate(k, pos, inv, spec.rope_scaling)
+        k = unrotate(k, pos, params.inv_freq, spec.rope_scaling)
     feats = kv_features(k, v, spec.input_norm, spec.eps)  # [b, h, R, in]
     extra = None
     if spec.obs_windows:
@@ -117,41 +137,34 @@ def decode_scores(spec: DecodeSpec, params: tuple, state, k_new: Tensor, v_new: 
     if spec.stateful:
         state, scores = _mlstm(spec, params, state, feats, extra)
     else:
-        w1, b1, w2, b2 = params[:4]
         if extra is not None:
             feats = torch.cat([feats, extra.unsqueeze(2)], -1)
         if spec.cross_heads:
             feats = across_heads(feats)
-        hdn = F.silu(head_linear(feats, w1, b1)).squeeze(2)  # [b, h, hidden]
-        scores = (hdn * w2.squeeze(-1)).sum(-1) + b2
+        hdn = F.silu(head_linear(feats, params.w1, params.b1)).squeeze(2)  # [b, h, hidden]
+        scores = head_score(hdn, params.w2, params.b2)
     if spec.tilt:
-        scores = torch.addcmul(scores, lam.unsqueeze(0), t_read.unsqueeze(1).to(scores.dtype))
+        scores = torch.addcmul(scores, params.lam.unsqueeze(0), t_read.unsqueeze(1).to(scores.dtype))
     return state, scores
 
 
-def _mlstm(spec: DecodeSpec, params: tuple, state, feats: Tensor, extra: Tensor | None):
-    """The mLSTM's step (:func:`kvpop.scorers.mlstm.mlstm_step`) and readout + head, for ``feats`` rows (new, read).
+def _mlstm(spec: DecodeSpec, params: MLSTMParams, state, feats: Tensor, extra: Tensor | None):
+    """The mLSTM's step (:func:`kvpop.scorers.mlstm.mlstm_step`), readout (``mlstm_read``) and score head
+    (``score_head``), the ones ``KVpopMLSTM`` uses, for ``feats`` rows (new, read).
 
-    The small products (observed inputs, readout, head) are written as broadcast-and-sum, not
-    matmuls: ``torch.compile`` fuses those into its loops instead of calling BLAS for a dot product.
+    The small products (the observed inputs here; the readout and head in their one-read-per-row form) are
+    broadcast-and-sum, not matmuls: ``torch.compile`` fuses those into its loops instead of calling BLAS.
     """
-    w_proj, b_proj, w_extra, w_out, b_out = params[:5]
     dk, dv = spec.dk, spec.dv
     o = dk + dv
-    p = head_linear(feats, w_proj, b_proj)  # [b, h, 2, E]
+    p = head_linear(feats, params.w_proj, params.b_proj)  # [b, h, 2, E]
     pn, pr = p[:, :, 0], p[:, :, 1]
     kk, vv, ig, fg = pn[..., :dk], pn[..., dk:o], pn[..., o], pn[..., o + 1]
     r = pr[..., o + 2 :]
     if extra is not None:
-        r = r + (extra.unsqueeze(-1) * w_extra).sum(-2)
+        r = r + (extra.unsqueeze(-1) * params.w_extra).sum(-2)
     qq, u = r[..., :dk] * spec.q_scale, r[..., dk:]
     state = mlstm_step(state, kk, vv, ig, F.logsigmoid(fg) if spec.sigmoid_gate else fg)
-    C, n, m_new = state
-    num = (qq.unsqueeze(-1) * C).sum(-2)  # [b, h, dv] = C^T q
-    den = torch.maximum((qq * n).sum(-1).abs(), torch.exp(-m_new))
-    hr = num / den.unsqueeze(-1)
-    if spec.h_norm:
-        hr = hr * torch.rsqrt((hr * hr).sum(-1, keepdim=True).mul(1.0 / dv).add(spec.eps))
-    z = torch.cat([hr, F.silu(u)], -1) if spec.read_mlp else hr
-    scores = (z * w_out.squeeze(-1)).sum(-1) + b_out
+    hr = mlstm_read(state, qq, nonempty=True)  # [b, h, dv]
+    scores = score_head(hr, u, params.w_out, params.b_out, h_norm=spec.h_norm, read_mlp=spec.read_mlp, eps=spec.eps)
     return state, scores

@@ -20,6 +20,7 @@ from .base import (
     across_heads,
     feature_dim,
     head_linear,
+    head_score,
     kv_features,
     normal_init_,
     seeded_generator,
@@ -80,7 +81,7 @@ class KVpopMLP(BaseScorer):
         if self.cross_heads:
             x = across_heads(x)
         hdn = F.silu(head_linear(x, self.w1, self.b1))
-        return head_linear(hdn, self.w2, self.b2.unsqueeze(-1)).squeeze(-1)
+        return head_score(hdn, self.w2, self.b2)
 
     def forward(self, k: Tensor, v: Tensor, window: int | None = None, *, mask: Tensor | None = None,
                 extra: Tensor | None = None, **unused) -> Tensor:

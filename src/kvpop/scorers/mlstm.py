@@ -52,9 +52,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import BaseScorer, ScorerConfig, feature_dim, head_linear, kv_features, normal_init_, seeded_generator
+from .base import (
+    BaseScorer,
+    ScorerConfig,
+    feature_dim,
+    head_linear,
+    head_score,
+    kv_features,
+    normal_init_,
+    seeded_generator,
+)
 
-__all__ = ["KVpopMLSTM", "MLSTMState", "mlstm_step"]
+__all__ = ["KVpopMLSTM", "MLSTMState", "mlstm_read", "mlstm_step", "score_head"]
 
 _NEG_INF = float("-inf")
 
@@ -77,6 +86,27 @@ def _exp_diff(a: Tensor, b: Tensor) -> Tensor:
     return torch.exp((a - b).masked_fill(torch.isneginf(a), _NEG_INF))
 
 
+def _absorb(a: Tensor, m: Tensor, kk: Tensor, vv: Tensor) -> tuple[Tensor, Tensor]:
+    """What tokens with log weights ``a [..., n]`` add to a state stabilised by ``m [...]``:
+    ``(sum_s exp(a_s - m) kk_s vv_s^T [..., dk, dv], sum_s exp(a_s - m) kk_s [..., dk])``."""
+    wk = _exp_diff(a, m.unsqueeze(-1)).unsqueeze(-1) * kk
+    return torch.matmul(wk.transpose(-1, -2), vv), wk.sum(-2)
+
+
+def _state_dots(qq: Tensor, C: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+    """``(C^T q, n^T q)`` of queries against a state: qq [..., M, dk] (several per row: matmuls) or
+    [..., dk] (one per row, the decode step: broadcast-and-sum, which ``torch.compile`` fuses into its
+    loops instead of calling BLAS for a dot product) -> ([..., (M,) dv], [..., (M)])."""
+    if qq.dim() < C.dim():
+        return (qq.unsqueeze(-1) * C).sum(-2), (qq * n).sum(-1)
+    return torch.matmul(qq, C), torch.matmul(qq, n.unsqueeze(-1)).squeeze(-1)
+
+
+def _stabilised(num: Tensor, den: Tensor, m: Tensor) -> Tensor:
+    """The readout ``num / max(|den|, exp(-m))`` (the stabilised ``max(|n^T q|, 1)``)."""
+    return num / torch.maximum(den.abs(), torch.exp(-m)).unsqueeze(-1)
+
+
 def _attend(Q: Tensor, K: Tensor, V: Tensor, D: Tensor, inter: Tensor, C0: Tensor, n0: Tensor) -> Tensor:
     """Stabilised mLSTM readout of queries Q against (a prior state C0, n0 with log weight
     ``inter`` per query) plus the tokens K, V with log weights D (-inf = not in the state).
@@ -89,22 +119,30 @@ def _attend(Q: Tensor, K: Tensor, V: Tensor, D: Tensor, inter: Tensor, C0: Tenso
     Wd = torch.exp(D - ms.unsqueeze(-1))
     wi = torch.exp(inter - ms)
     S = torch.matmul(Q, K.transpose(-1, -2)) * Wd
-    num = torch.matmul(S, V) + wi.unsqueeze(-1) * torch.matmul(Q, C0)
-    den = S.sum(-1) + wi * torch.matmul(Q, n0.unsqueeze(-1)).squeeze(-1)
-    den = torch.maximum(den.abs(), torch.exp(-ms))
-    return num / den.unsqueeze(-1)
+    qc, qn = _state_dots(Q, C0, n0)
+    return _stabilised(torch.matmul(S, V) + wi.unsqueeze(-1) * qc, S.sum(-1) + wi * qn, ms)
 
 
-def _read_h(state: MLSTMState, qq: Tensor, nonempty: bool = False) -> Tensor:
-    """Readout of queries qq [b, h, M, dk] against the current state -> [b, h, M, dv].
-    ``nonempty=True`` skips the empty-state guard (m finite, e.g. right after a step)."""
-    C0, n0, m0 = state
+def mlstm_read(state: MLSTMState, qq: Tensor, nonempty: bool = False) -> Tensor:
+    """The readout ``h = C^T q / max(|n^T q|, exp(-m))`` of queries against a state: qq [b, h, M, dk]
+    -> [b, h, M, dv], or qq [b, h, dk] (one per row: the decode step) -> [b, h, dv]. An empty state
+    reads h = 0; ``nonempty=True`` skips that guard (m finite, e.g. right after a step)."""
+    C, n, m = state
     if not nonempty:
-        m0 = m0.masked_fill(torch.isneginf(m0), 0.0)  # empty state: C = n = 0 -> h = 0
-    num = torch.matmul(qq, C0)
-    den = torch.matmul(qq, n0.unsqueeze(-1))
-    den = torch.maximum(den.abs(), torch.exp(-m0)[..., None, None])
-    return num / den
+        m = m.masked_fill(torch.isneginf(m), 0.0)  # empty state: C = n = 0 -> h = 0
+    num, den = _state_dots(qq, C, n)
+    return _stabilised(num, den, m.unsqueeze(-1) if qq.dim() == C.dim() else m)
+
+
+def score_head(h: Tensor, u: Tensor, w_out: Tensor, b_out: Tensor, *, h_norm: bool, read_mlp: bool,
+               eps: float) -> Tensor:  # fmt: skip
+    """The score head ``r_hat = w_out . [rmsnorm(h) ; SiLU(u)] + b_out`` per KV head: h [b, h, M, dv] and
+    u [b, h, M, hidden] -> [b, h, M], or one read per row (the decode step) h [b, h, dv] -> [b, h]."""
+    if h.dtype != w_out.dtype:
+        h = h.to(w_out.dtype)
+    if h_norm:
+        h = h * torch.rsqrt((h * h).sum(-1, keepdim=True).mul(1.0 / h.shape[-1]).add(eps))
+    return head_score(torch.cat([h, F.silu(u)], -1) if read_mlp else h, w_out, b_out)
 
 
 def mlstm_step(state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor) -> MLSTMState:
@@ -225,12 +263,7 @@ class KVpopMLSTM(BaseScorer):
         return qq * self.q_scale, r[..., self.dk:]
 
     def _head(self, h: Tensor, u: Tensor) -> Tensor:
-        if h.dtype != self.w_out.dtype:
-            h = h.to(self.w_out.dtype)
-        if self.h_norm:
-            h = h * torch.rsqrt((h * h).sum(-1, keepdim=True).mul_(1.0 / self.dv).add_(self.eps))
-        z = torch.cat([h, F.silu(u)], dim=-1) if self.read_mlp else h
-        return head_linear(z, self.w_out, self.b_out.unsqueeze(-1)).squeeze(-1)
+        return score_head(h, u, self.w_out, self.b_out, h_norm=self.h_norm, read_mlp=self.read_mlp, eps=self.eps)
 
     @staticmethod
     def _apply_mask(ig: Tensor, logf: Tensor, mask: Tensor | None):
@@ -262,10 +295,8 @@ class KVpopMLSTM(BaseScorer):
         mg = G.squeeze(-1).to(m0.dtype) + m0  # log weight of the old state
         m_new = torch.maximum(mg, a.amax(-1))
         d1 = _exp_diff(mg, m_new)
-        wk = _exp_diff(a, m_new.unsqueeze(-1)).unsqueeze(-1) * kk
-        C = d1[..., None, None] * C0 + torch.matmul(wk.transpose(-1, -2), vv)
-        n = d1.unsqueeze(-1) * n0 + wk.sum(-2)
-        return MLSTMState(C, n, m_new)
+        C, n = _absorb(a, m_new, kk, vv)
+        return MLSTMState(d1[..., None, None] * C0 + C, d1.unsqueeze(-1) * n0 + n, m_new)
 
     @staticmethod
     def _update1(state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor,
@@ -290,7 +321,7 @@ class KVpopMLSTM(BaseScorer):
         if M == 0:
             h = qq.new_zeros(b, H, 0, self.dv)
         elif n == 0:
-            h = _read_h(state, qq)
+            h = mlstm_read(state, qq)
         else:
             C0, n0, m0 = state
             dtype = ig.dtype
@@ -335,9 +366,7 @@ class KVpopMLSTM(BaseScorer):
         # each chunk's own contribution to the state at its end, stabilised by its own max
         a = G.unsqueeze(-1) - Fl + ig
         mloc = a.amax(-1)
-        wk = _exp_diff(a, mloc.unsqueeze(-1)).unsqueeze(-1) * kk
-        Cloc = torch.matmul(wk.transpose(-1, -2), vv)  # [b, H, nc, dk, dv]
-        nloc = wk.sum(-2)  # [b, H, nc, dk]
+        Cloc, nloc = _absorb(a, mloc, kk, vv)  # [b, H, nc, dk, dv], [b, H, nc, dk]
         # states at every chunk start (and the final state) in one shot, no loop over chunks:
         # chunk j's local state enters the state at the start of chunk c (j < c) with log weight
         # A[c, j] = (G_{j+1} + ... + G_{c-1}) + mloc_j; rows stabilised by their max (= m).
@@ -359,7 +388,7 @@ class KVpopMLSTM(BaseScorer):
             hs = _attend(Qs, kk, vv, D, inter, Cp, np_).reshape(b, H, nc * L, dv)
             parts.append(hs[:, :, window:window + nmain])
         if nmain < T:  # tokens whose exit step lies beyond the sequence: final state
-            parts.append(_read_h(final, qq[:, :, nmain:]))
+            parts.append(mlstm_read(final, qq[:, :, nmain:]))
         return torch.cat(parts, dim=2), final
 
     # ------------------------------------------------------------- public API
@@ -422,7 +451,7 @@ class KVpopMLSTM(BaseScorer):
         self._check_kv(k, v)
         self._check_state(state, k.shape[0])
         qq, u = self._split_read(self._project(k, v), state.C.dtype, extra)
-        return self._head(_read_h(state, qq), u)
+        return self._head(mlstm_read(state, qq), u)
 
     def step_and_read(self, state: MLSTMState, k_new: Tensor, v_new: Tensor, k_read: Tensor,
                       v_read: Tensor, read_steps: Tensor | Sequence[int] | None = None,
@@ -446,11 +475,11 @@ class KVpopMLSTM(BaseScorer):
         if read_steps is None:
             if n == 1:
                 state = self._update1(state, kk, vv, ig, logf, mask)
-                h = _read_h(state, qq, nonempty=mask is None)
+                h = mlstm_read(state, qq, nonempty=mask is None)
             else:
                 ig, logf = self._apply_mask(ig, logf, mask)
                 state = self._update(state, kk, vv, ig, logf)
-                h = _read_h(state, qq)
+                h = mlstm_read(state, qq)
         else:
             rs = torch.as_tensor(read_steps, device=k_new.device, dtype=torch.long)
             m_reads = k_read.shape[2]

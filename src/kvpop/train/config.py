@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import EvictionConfig, default_window, tilt_at
+from ..config import EvictionConfig, TrainedSettings, resolve_eviction
 from ..data import CORPORA
 from ..runs import RunSettings
 
@@ -101,25 +101,24 @@ class TrainConfig(RunSettings):
         """The seed of the training text's stream (``data_seed``, else ``seed``)."""
         return self.seed if self.data_seed is None else int(self.data_seed)
 
-    def window_for(self, budget: int) -> int:
-        """The window at ``budget`` as inference resolves it (the trained fraction of ``B``)."""
-        if self.window is not None:
-            return int(self.window)
-        return default_window(budget, self.sinks, self.window_fraction)
-
-    def lam_at(self, budget: int) -> float:
-        """The recency tilt at ``budget``: ``lam``, or ``lam_scale / B`` floored at ``lam``."""
-        return tilt_at(budget, self.lam, self.lam_scale)
+    def rule(self) -> TrainedSettings:
+        """The window and recency tilt this run trains each budget at, as the one resolver states them
+        (:class:`kvpop.config.TrainedSettings`): what its checkpoint records, so caches resolve the same."""
+        fraction = None if self.window is not None else self.window_fraction
+        lo_hi = self.budget_range or ((min(self.budgets), max(self.budgets)) if self.budgets else None)
+        return TrainedSettings(budget_range=lo_hi, window_fraction=fraction, window=self.window, lam=self.lam,
+                               lam_scale=self.lam_scale)
 
     def eviction(self, budget: int) -> EvictionConfig:
-        return EvictionConfig.from_budget(budget, window=self.window_for(budget), sinks=self.sinks, lam=self.lam_at(budget))
+        return resolve_eviction(budget, sinks=self.sinks, trained=self.rule(), warn=False)
 
     def window_grid(self) -> tuple[int, ...]:
         """The windows a budget-range run trains at: ``windows_per_octave`` per doubling, log-spaced from
         the window of the smallest budget to that of the largest (``budgets`` runs: their own windows)."""
+        rule = self.rule()
         if self.budget_range is None or self.window is not None:
-            return tuple(sorted({self.window_for(b) for b in self.budgets}))
-        lo, hi = (self.window_for(b) for b in self.budget_range)
+            return tuple(sorted({rule.window_at(b, self.sinks) for b in self.budgets}))
+        lo, hi = (rule.window_at(b, self.sinks) for b in self.budget_range)
         n = max(1, round(math.log2(hi / lo) * self.windows_per_octave))
         return tuple(sorted({round(lo * (hi / lo) ** (i / n)) for i in range(n + 1)}))
 
@@ -151,7 +150,8 @@ class TrainConfig(RunSettings):
         rng = random.Random(self.seed * 100003 + step)
         ok = set(self.window_grid() if windows is None else windows)
         if self.budget_range is None:
-            choices = [b for b in self.budgets if self.window_for(b) in ok]
+            rule = self.rule()
+            choices = [b for b in self.budgets if rule.window_at(b, self.sinks) in ok]
             if not choices:
                 raise ValueError(f"step {step}: no training budget has a window among {sorted(ok)}")
             return self.eviction(rng.choice(choices))
@@ -164,19 +164,15 @@ class TrainConfig(RunSettings):
 
     def grid_eviction(self, budget: int) -> EvictionConfig:
         """``budget`` with the captured window nearest the one inference uses (the targets exist for it)."""
-        want = self.window_for(budget)
+        rule = self.rule()
+        want = rule.window_at(budget, self.sinks)
         window = min(self.window_grid(), key=lambda w: abs(math.log(w / want)))
-        return EvictionConfig.from_budget(budget, window=window, sinks=self.sinks, lam=self.lam_at(budget))
+        return resolve_eviction(budget, window=window, sinks=self.sinks, trained=rule, warn=False)
 
     def trained_settings(self) -> dict:
         """The checkpoint's ``trained_for``: what caches default to (``kvpop.config.TrainedSettings``)."""
-        lo_hi = self.budget_range or (min(self.budgets), max(self.budgets))
         return {
-            "budget_range": list(lo_hi),
-            "window_fraction": None if self.window is not None else self.window_fraction,
-            "window": self.window,
-            "lam": self.lam,
-            "lam_scale": self.lam_scale,
+            **self.rule().to_meta(),
             "budgets": list(self.budgets) if self.budget_range is None else None,
             "window_grid": list(self.window_grid()),
             "sinks": self.sinks,

@@ -31,7 +31,7 @@ from ..checkpoint import DEFAULT_SCORERS, load_scorer
 from ..files import atomic_write
 from ..plotting import pyplot, save_figure
 from ..policies import LearnedPolicy, OraclePolicy
-from ..quality import DenseCache, Sums, hidden_states, score_document, wins
+from ..quality import DenseOutputs, Sums, hidden_states, score_document, wins
 from .config import TrainConfig
 from .data import SequenceSource, capture_example
 from .labels import spearman
@@ -70,7 +70,7 @@ def noisy_oracle(model, tokenizer, cfg: TrainConfig, budget: int, sigmas, n_docs
     learned: dict[str, dict] = {name: {"sums": Sums(), "rank_correlation": [], "per_doc": []} for name in loaded}
     source = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED)
     docs = [source.get(j) for j in range(n_docs)]
-    dense = DenseCache()
+    dense = DenseOutputs()
     rows = {}
     streaming = Sums()
     per_doc_stream = []

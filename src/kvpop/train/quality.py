@@ -23,7 +23,7 @@ from ..checkpoint import model_fingerprint
 from ..data import round_robin_windows
 from ..files import atomic_write
 from ..policies import LearnedPolicy
-from ..quality import DenseCache, Probe, wins
+from ..quality import DenseOutputs, Probe, default_continuation_tokens, wins
 from .config import TrainConfig
 from .data import SequenceSource
 
@@ -45,7 +45,7 @@ def continuation_tokens(seq_len: int) -> int:
     """The continuation predictions validation scores: ``seq_len / 16 - 1`` (255 of 4,096), one fewer
     than ``kvpop eval``'s continuation task. Kept so that a resumed run, and the StreamingLLM baseline
     a ``--val-cache`` folder holds, compare the same positions as before."""
-    return max(1, seq_len // 16) - 1
+    return default_continuation_tokens(seq_len) - 1
 
 
 class RetentionProbe:
@@ -60,7 +60,7 @@ class RetentionProbe:
                  cache_dir: str | os.PathLike | None = None) -> None:  # fmt: skip
         self.model, self.cfg = model, cfg
         docs = validation_windows(tokenizer, cfg, cfg.val_docs if n_docs is None else n_docs)
-        self.dense = DenseCache()
+        self.dense = DenseOutputs()
         self.probe = Probe(docs, lambda ids: self.dense.get(model, ids)[0], continuation_tokens)
         self._streaming: dict[int, dict] = {}
         # the baseline (dense hidden states, StreamingLLM's results) does not depend on the scorer: runs of a
@@ -88,8 +88,9 @@ class RetentionProbe:
     def _run(self, policy, budget: int) -> dict:
         cfg = self.cfg
         label = f"validation {'StreamingLLM' if policy == 'streaming' else 'scorer'} B={budget}" if cfg.progress else None
-        s = self.probe.score(self.model, policy, budget, window=cfg.window_for(budget), sinks=cfg.sinks,
-                             lam=cfg.lam_at(budget), progress=label)  # fmt: skip
+        rule = cfg.rule()
+        s = self.probe.score(self.model, policy, budget, window=rule.window_at(budget, cfg.sinks), sinks=cfg.sinks,
+                             lam=rule.lam_at(budget), progress=label)  # fmt: skip
         m = s.lm().metrics()
         return {"retention": m["retention"], "kl": m["kl"], "continuation": s.continuation().retention,
                 "per_doc": s.per_doc_rows("corpus")}  # fmt: skip
