@@ -24,8 +24,11 @@ def _row(q: dict) -> dict:
     for b, v in q.items():
         if not isinstance(v, dict) or "retention" not in v:
             continue
-        out[b] = {"lm": v["retention"], "continuation": v.get("continuation", {}).get("retention"),
-                  "per_window_lm": [d["retention"] for d in v.get("per_doc", [])]}  # fmt: skip
+        out[b] = {
+            "lm": v["retention"],
+            "continuation": v.get("continuation", {}).get("retention"),
+            "per_window_lm": [d["retention"] for d in v.get("per_doc", [])],
+        }
     return out
 
 
@@ -51,10 +54,13 @@ def main() -> None:
     for rec in records:
         print(f"{rec['run']} ({rec['steps_done']} steps; {rec['settings']})")
         for name, row in [("start", rec["baseline"])] + [(f"step {v['step']}", v) for v in rec["validations"]]:
-            cells = [f"{'B=' + b if b.isdigit() else b}: lm {r['lm']:.4f}"
-                     + (f" cont {r['continuation']:.4f}" if r["continuation"] is not None else "")
-                     + (f" [{' '.join(f'{x:.3f}' for x in r['per_window_lm'])}]" if r["per_window_lm"] else "")
-                     for b, r in row.items() if isinstance(r, dict)]  # fmt: skip
+            cells = [
+                f"{'B=' + b if b.isdigit() else b}: lm {r['lm']:.4f}"
+                + (f" cont {r['continuation']:.4f}" if r["continuation"] is not None else "")
+                + (f" [{' '.join(f'{x:.3f}' for x in r['per_window_lm'])}]" if r["per_window_lm"] else "")
+                for b, r in row.items()
+                if isinstance(r, dict)
+            ]
             print(f"  {name:>8}  " + " | ".join(cells))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

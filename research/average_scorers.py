@@ -41,8 +41,14 @@ def main() -> None:
         "loss": metas[0].get("loss"),
         "weighting": metas[0].get("weighting"),
         "average_of": [
-            {"path": str(m), "weight": w / sum(used), "sha256": hashlib.sha256(Path(m).read_bytes()).hexdigest()[:16],
-             "steps": meta.get("steps"), "tokens_seen": meta.get("tokens_seen"), "corpora": meta.get("corpora")}
+            {
+                "path": str(m),
+                "weight": w / sum(used),
+                "sha256": hashlib.sha256(Path(m).read_bytes()).hexdigest()[:16],
+                "steps": meta.get("steps"),
+                "tokens_seen": meta.get("tokens_seen"),
+                "corpora": meta.get("corpora"),
+            }
             for m, w, meta in zip(args.members, used, metas)
         ],
         "tokens_seen": sum(meta.get("tokens_seen") or 0 for meta in metas),

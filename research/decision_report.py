@@ -41,13 +41,19 @@ def main() -> None:
                 "rank_correlation": block["rank_correlation"],
                 "baselines": block["baselines"],
                 "worst_heads": sorted(
-                    ((acc, layer, head) for layer, row in enumerate(block["per_head_accuracy"])
-                     for head, acc in enumerate(row)))[:5],
+                    (
+                        (acc, layer, head)
+                        for layer, row in enumerate(block["per_head_accuracy"])
+                        for head, acc in enumerate(row)
+                    )
+                )[:5],
             }
             panels.append((name, block["per_head_accuracy"]))
             base = ", ".join(f"{k} {v['accuracy']:.3f}" for k, v in block["baselines"].items())
-            print(f"{name}: accuracy {block['accuracy']:.3f} (mass-weighted {block['mass_weighted_accuracy']:.3f}), "
-                  f"rank corr {block['rank_correlation']:.3f}; baselines: {base}")
+            print(
+                f"{name}: accuracy {block['accuracy']:.3f} (mass-weighted {block['mass_weighted_accuracy']:.3f}), "
+                f"rank corr {block['rank_correlation']:.3f}; baselines: {base}"
+            )
     fig, axes = plt.subplots(1, len(panels), figsize=(2.2 * len(panels) + 1, 6), squeeze=False)
     for ax, (name, grid) in zip(axes[0], panels):
         im = ax.imshow(grid, aspect="auto", vmin=0.5, vmax=1.0, cmap="viridis")

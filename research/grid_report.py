@@ -90,7 +90,7 @@ def verdict(units: dict, learned: list[str]) -> list[dict]:
         if not docs:
             continue
 
-        def pooled(p):
+        def pooled(p, pols=pols, docs=docs):
             tot = {k: sum(pols[p][d][k] for d in docs) for k in ("n", "nll_dense", "nll_policy")}
             return _retention(tot)
 
@@ -125,11 +125,18 @@ def markdown(rows: list[dict], learned: list[str]) -> str:
             if not rs:
                 continue
             pols = list(dict.fromkeys(p for r in rs for p in r["retention"]))
-            pols.sort(key=lambda p: (p not in HEURISTICS + ("oracle",), (HEURISTICS + ("oracle",)).index(p)
-                                     if p in HEURISTICS + ("oracle",) else 0, p))  # fmt: skip
-            out.append(f"\n**{task}, {dom.replace('_', ' ')}** ({rs[0]['docs']} documents; pooled retention; for a "
-                       "learned policy: share of the StreamingLLM-to-oracle gap closed, and documents won-lost "
-                       "against the best heuristic at that budget)\n")  # fmt: skip
+            pols.sort(
+                key=lambda p: (
+                    p not in HEURISTICS + ("oracle",),
+                    (HEURISTICS + ("oracle",)).index(p) if p in HEURISTICS + ("oracle",) else 0,
+                    p,
+                )
+            )
+            out.append(
+                f"\n**{task}, {dom.replace('_', ' ')}** ({rs[0]['docs']} documents; pooled retention; for a "
+                "learned policy: share of the StreamingLLM-to-oracle gap closed, and documents won-lost "
+                "against the best heuristic at that budget)\n"
+            )
             out.append("| policy | " + " | ".join(f"B = {r['budget']}" for r in rs) + " |")
             out.append("|---" * (len(rs) + 1) + "|")
             for p in pols:
@@ -155,8 +162,12 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(t, d) for t in TASKS for d in ("in_domain", "out_of_domain")
-              if any(r["task"] == t and r["domain"] == d for r in rows)]  # only what was run (e.g. one 32k document)
+    panels = [
+        (t, d)
+        for t in TASKS
+        for d in ("in_domain", "out_of_domain")
+        if any(r["task"] == t and r["domain"] == d for r in rows)
+    ]  # only what was run (e.g. one 32k document)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     axes = axes[0]
     names = sorted({p for r in rows for p in r["retention"]})
@@ -167,8 +178,14 @@ def plot(rows: list[dict], path: Path) -> None:
             pts = [(r["budget"], r["retention"][p]) for r in rs if p in r["retention"]]
             if pts:
                 learned = p not in HEURISTICS + ("oracle",)
-                ax.plot(*zip(*pts, strict=True), marker="o", lw=2.2 if learned else 1, ls="-" if learned else "--",
-                        color=colors[p], label=p)
+                ax.plot(
+                    *zip(*pts, strict=True),
+                    marker="o",
+                    lw=2.2 if learned else 1,
+                    ls="-" if learned else "--",
+                    color=colors[p],
+                    label=p,
+                )
         ax.set_xscale("log", base=2)
         ax.set_title(f"{task}, {dom.replace('_', ' ')}")
         ax.set_xlabel("budget B (tokens per KV head)")

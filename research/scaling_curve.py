@@ -23,8 +23,25 @@ from pathlib import Path
 
 SIZES = (8, 16, 32, 64, 128, 168)  # sequences of 8,192 tokens: 66k .. 1.38M (168: what this machine's disk held)
 KINDS = ("mlp", "mlstm")
-RECIPE = ["--budget-range", "128,2048", "--windows-per-sequence", "3", "--seq-len", "8192", "--hidden", "128",
-          "--lam", "0.0005", "--val-docs", "24", "--val-seq-len", "4096", "--ckpt-every", "41", "--no-progress"]
+RECIPE = [
+    "--budget-range",
+    "128,2048",
+    "--windows-per-sequence",
+    "3",
+    "--seq-len",
+    "8192",
+    "--hidden",
+    "128",
+    "--lam",
+    "0.0005",
+    "--val-docs",
+    "24",
+    "--val-seq-len",
+    "4096",
+    "--ckpt-every",
+    "41",
+    "--no-progress",
+]
 
 
 def run_name(kind: str, n: int) -> str:
@@ -34,9 +51,26 @@ def run_name(kind: str, n: int) -> str:
 def command(kind: str, n: int, args) -> list[str]:
     out = Path(args.out) / run_name(kind, n)
     val_every = args.ship_val_every if n == max(args.sizes) else args.steps  # the largest runs are what ships
-    return [sys.executable, "-m", "kvpop.train", "--kind", kind, "--out", str(out), "--store", args.store,
-            "--cycle", str(n), "--steps", str(args.steps), "--val-every", str(val_every),
-            "--val-cache", str(Path(args.out) / "val-cache"), *RECIPE]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "kvpop.train",
+        "--kind",
+        kind,
+        "--out",
+        str(out),
+        "--store",
+        args.store,
+        "--cycle",
+        str(n),
+        "--steps",
+        str(args.steps),
+        "--val-every",
+        str(val_every),
+        "--val-cache",
+        str(Path(args.out) / "val-cache"),
+        *RECIPE,
+    ]
 
 
 def run(args) -> None:
@@ -105,16 +139,33 @@ def report(args) -> None:
         val = next(h["val"] for h in reversed(s["history"]) if "val" in h)
         budgets = [k for k in val if k.isdigit()]
         wall = path.parent / "wall_seconds.txt"
-        rows.append({
-            "kind": cfg["scorer"], "sequences": cfg["cycle"], "tokens_captured": cfg["cycle"] * cfg["seq_len"],
-            "steps": s["steps"], "tokens_seen": s["tokens_seen"],
-            "wall_seconds": int(wall.read_text()) if wall.is_file() else None,
-            "best": s["best"],
-            "final": {b: {k: val[b][k] for k in ("retention", "continuation", "streaming", "streaming_continuation",
-                                                 "wins_vs_streaming", "continuation_wins_vs_streaming", "docs")}
-                      for b in budgets},
-            "final_mean": val["mean_retention"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "kind": cfg["scorer"],
+                "sequences": cfg["cycle"],
+                "tokens_captured": cfg["cycle"] * cfg["seq_len"],
+                "steps": s["steps"],
+                "tokens_seen": s["tokens_seen"],
+                "wall_seconds": int(wall.read_text()) if wall.is_file() else None,
+                "best": s["best"],
+                "final": {
+                    b: {
+                        k: val[b][k]
+                        for k in (
+                            "retention",
+                            "continuation",
+                            "streaming",
+                            "streaming_continuation",
+                            "wins_vs_streaming",
+                            "continuation_wins_vs_streaming",
+                            "docs",
+                        )
+                    }
+                    for b in budgets
+                },
+                "final_mean": val["mean_retention"],
+            }
+        )
     if not rows:
         raise SystemExit(f"no finished runs under {args.out}")
     sizes = sorted({r["sequences"] for r in rows})
@@ -144,8 +195,11 @@ def report(args) -> None:
     fig.tight_layout()
     fig.savefig(Path(args.json).with_suffix(".png"), dpi=120)
     for r in out["runs"]:
-        parts = ", ".join(f"B={b} {v['retention']:.4f}/{v['continuation']:.4f} (streaming {v['streaming']:.4f}, wins "
-                          f"{v['wins_vs_streaming']}/{v['docs']})" for b, v in r["final"].items())  # fmt: skip
+        parts = ", ".join(
+            f"B={b} {v['retention']:.4f}/{v['continuation']:.4f} (streaming {v['streaming']:.4f}, wins "
+            f"{v['wins_vs_streaming']}/{v['docs']})"
+            for b, v in r["final"].items()
+        )
         print(f"{r['kind']:5s} {r['sequences']:4d} seq {r['tokens_distinct'] or r['tokens_captured']:>9,} tok: {parts}")
 
 

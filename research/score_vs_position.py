@@ -51,11 +51,16 @@ def main() -> None:
         mean = sums / len(caps)
         edges = list(range(0, S - window, args.bin))
         binned = [float(mean[a : a + args.bin].mean()) for a in edges]
-        result["scorers"][name] = {"path": path, "position_free": scorer.config.position_free,
-                                   "bin_starts": edges, "mean_score": binned,
-                                   "drift_per_1k_tokens": float(torch.tensor(binned[len(binned) // 2:]).mean()
-                                                                - torch.tensor(binned[: len(binned) // 2]).mean())
-                                   / (S / 2000)}
+        result["scorers"][name] = {
+            "path": path,
+            "position_free": scorer.config.position_free,
+            "bin_starts": edges,
+            "mean_score": binned,
+            "drift_per_1k_tokens": float(
+                torch.tensor(binned[len(binned) // 2 :]).mean() - torch.tensor(binned[: len(binned) // 2]).mean()
+            )
+            / (S / 2000),
+        }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "score_vs_position.json").write_text(json.dumps(result, indent=1))
@@ -66,7 +71,11 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for name, r in result["scorers"].items():
-        ax.plot(r["bin_starts"], r["mean_score"], label=f"{name} ({'RoPE undone' if r['position_free'] else 'post-RoPE keys'})")
+        ax.plot(
+            r["bin_starts"],
+            r["mean_score"],
+            label=f"{name} ({'RoPE undone' if r['position_free'] else 'post-RoPE keys'})",
+        )
     ax.axvline(4096, color="gray", ls=":", label="training length")
     ax.set_xlabel("token position")
     ax.set_ylabel("mean score (tilt removed)")

@@ -53,10 +53,17 @@ def main() -> None:
     obs = tuple(dict.fromkeys(o for sc in scorers.values() for o in sc.config.observed))
     evs = {b: cfg.eviction(b) for b in cfg.budgets}
     windows = sorted({ev.window for ev in evs.values()})
-    res = {"run": str(args.run), "budgets": list(cfg.budgets), "windows": {str(b): ev.window for b, ev in evs.items()},
-           "lam": cfg.trained_for()["lam"], "scorers": {p: {} for p in args.scorers}}  # fmt: skip
-    streams = (("train", args.train, SequenceSource(cfg, tok, "train")),
-               ("validation", args.val, SequenceSource(cfg, tok, "validation", seed=VALIDATION_SEED)))  # fmt: skip
+    res = {
+        "run": str(args.run),
+        "budgets": list(cfg.budgets),
+        "windows": {str(b): ev.window for b, ev in evs.items()},
+        "lam": cfg.trained_for()["lam"],
+        "scorers": {p: {} for p in args.scorers},
+    }
+    streams = (
+        ("train", args.train, SequenceSource(cfg, tok, "train")),
+        ("validation", args.val, SequenceSource(cfg, tok, "validation", seed=VALIDATION_SEED)),
+    )
     for split, n, src in streams:
         per_seq = {p: {str(b): [] for b in cfg.budgets} for p in args.scorers}
         for j in range(n):

@@ -9,6 +9,7 @@ before (BEFORE=1) and after. Writes OUT/scorer_step_seq{SEQ}_lr{LR}.json (wall t
     OMP_NUM_THREADS=1 python research/scorer_step_check.py 2048 40 5e-4 1 results/adapt
     OMP_NUM_THREADS=1 python research/scorer_step_check.py 4096 40 5e-4 0 results/adapt
 """
+
 import json
 import random
 import sys

@@ -48,17 +48,23 @@ def compare(name: str, v: dict, ref: dict | None) -> dict:
     row: dict = {"name": name, "step": v.get("step"), "budgets": {}}
     for b in budgets_of(v):
         cell = v[b]
-        out = {"lm": cell["retention"], "continuation": cell["continuation"], "streaming": cell["streaming"],
-               "streaming_continuation": cell["streaming_continuation"], "docs": cell["docs"],
-               "lm_wins_vs_streaming": cell["wins_vs_streaming"],
-               "continuation_wins_vs_streaming": cell["continuation_wins_vs_streaming"]}  # fmt: skip
+        out = {
+            "lm": cell["retention"],
+            "continuation": cell["continuation"],
+            "streaming": cell["streaming"],
+            "streaming_continuation": cell["streaming_continuation"],
+            "docs": cell["docs"],
+            "lm_wins_vs_streaming": cell["wins_vs_streaming"],
+            "continuation_wins_vs_streaming": cell["continuation_wins_vs_streaming"],
+        }
         if ref is not None and b in ref:
             mine, theirs = cell["per_doc"], ref[b]["per_doc"]
             if [d["corpus"] for d in mine] != [d["corpus"] for d in theirs]:
                 raise SystemExit(f"{name} and the reference were validated on different windows at B = {b}")
             out["lm_better_than_reference"] = sum(a["retention"] > c["retention"] for a, c in zip(mine, theirs))
             out["continuation_better_than_reference"] = sum(
-                a["continuation"] > c["continuation"] for a, c in zip(mine, theirs))
+                a["continuation"] > c["continuation"] for a, c in zip(mine, theirs)
+            )
         row["budgets"][b] = out
     row["mean_retention"] = v.get("mean_retention")
     return row
@@ -78,13 +84,27 @@ def markdown(rows: list[dict], ref_name: str | None) -> str:
         cells.append(f"{r['mean_retention']:.4f}" if r["mean_retention"] is not None else "")
         if ref_name:
             wins = [r["budgets"][b] for b in budgets if "lm_better_than_reference" in r["budgets"].get(b, {})]
-            cells.append((", ".join(f"{c['lm_better_than_reference']} / {c['continuation_better_than_reference']}"
-                                    for c in wins) + f" of {wins[0]['docs']}") if wins else "-")  # fmt: skip
+            cells.append(
+                (
+                    ", ".join(
+                        f"{c['lm_better_than_reference']} / {c['continuation_better_than_reference']}" for c in wins
+                    )
+                    + f" of {wins[0]['docs']}"
+                )
+                if wins
+                else "-"
+            )
         lines.append("| " + " | ".join(cells) + " |")
     any_row = rows[0]["budgets"]
-    lines.append("| StreamingLLM | " + " | ".join(
-        f"{any_row[b]['streaming']:.4f} / {any_row[b]['streaming_continuation']:.4f}" if b in any_row else ""
-        for b in budgets) + " | |" + (" |" if ref_name else ""))  # fmt: skip
+    lines.append(
+        "| StreamingLLM | "
+        + " | ".join(
+            f"{any_row[b]['streaming']:.4f} / {any_row[b]['streaming_continuation']:.4f}" if b in any_row else ""
+            for b in budgets
+        )
+        + " | |"
+        + (" |" if ref_name else "")
+    )
     return "\n".join(lines)
 
 

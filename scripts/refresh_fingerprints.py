@@ -27,7 +27,11 @@ from kvpop.models import load_model
 
 
 def _merged(path, recorded: dict, now: dict) -> dict:
-    differ = {k: (v, now[k]) for k, v in recorded.items() if k in now and json.dumps(v, sort_keys=True) != json.dumps(now[k], sort_keys=True)}
+    differ = {
+        k: (v, now[k])
+        for k, v in recorded.items()
+        if k in now and json.dumps(v, sort_keys=True) != json.dumps(now[k], sort_keys=True)
+    }
     if differ:
         sys.exit(f"{path}: recorded fingerprint fields differ from the embedded model's ({differ}); not touching it")
     return {**recorded, **{k: v for k, v in now.items() if k not in recorded}}
@@ -57,7 +61,9 @@ def main() -> None:
             assert sorted(f.keys()) == sorted(tensors)
             for k, want in tensors.items():
                 got = f.get_tensor(k)
-                assert got.dtype == want.dtype and torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), k
+                assert got.dtype == want.dtype and torch.equal(
+                    got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)
+                ), k
         print(f"  rewritten; {len(tensors)} tensors verified bit-identical")
     meta_file = DEFAULT_ADAPTER / ADAPTER_META_FILE
     header = json.loads(meta_file.read_text(encoding="utf-8"))

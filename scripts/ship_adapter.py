@@ -34,13 +34,22 @@ def main() -> None:
     p.add_argument("run", help="a kvpop adapt output folder")
     p.add_argument("--which", choices=("best", "adapter"), default="best")
     p.add_argument("--command", required=True, help="the command that trained it")
-    p.add_argument("--bundle", default=None, help="ship this bundle folder (a checkpoint of RUN) instead of RUN/<which>")
+    p.add_argument(
+        "--bundle", default=None, help="ship this bundle folder (a checkpoint of RUN) instead of RUN/<which>"
+    )
     p.add_argument("--validation", nargs="*", default=[], help="validate_bundle.py JSON files to record")
-    p.add_argument("--seconds-before", type=float, default=None,
-                   help="training seconds before the run's last --from-bundle restart (when it did not record them)")
+    p.add_argument(
+        "--seconds-before",
+        type=float,
+        default=None,
+        help="training seconds before the run's last --from-bundle restart (when it did not record them)",
+    )
     p.add_argument("--report", default=None, help="results.json of kvpop compare-adapted on the test splits")
-    p.add_argument("--note", default=None,
-                   help="recorded as summary.json's note: say here what is estimated (e.g. --seconds-before) and why")
+    p.add_argument(
+        "--note",
+        default=None,
+        help="recorded as summary.json's note: say here what is estimated (e.g. --seconds-before) and why",
+    )
     args = p.parse_args()
     run = Path(args.run)
     src = Path(args.bundle) if args.bundle else run / args.which
@@ -87,9 +96,15 @@ def _summary(run: Path) -> dict:
     import torch
 
     state = torch.load(run / "train_state.pt", map_location="cpu", weights_only=True)
-    return {"history": state.get("history", []), "baseline": state.get("baseline"), "best": state.get("best"),
-            "config": state.get("config"), "restarts": state.get("restarts"), "tokens_seen": None,
-            "seconds_this_process": None}
+    return {
+        "history": state.get("history", []),
+        "baseline": state.get("baseline"),
+        "best": state.get("best"),
+        "config": state.get("config"),
+        "restarts": state.get("restarts"),
+        "tokens_seen": None,
+        "seconds_this_process": None,
+    }
 
 
 def _train_seconds(summary: dict, step: int | None, before: float | None = None) -> float | None:
@@ -111,9 +126,11 @@ def _seconds_to(summary: dict, step: int | None, before: float | None = None) ->
     if before is None and restarts:
         before = restarts[-1].get("train_seconds_before")
         if before is None:
-            raise SystemExit(f"the run restarted from {restarts[-1].get('from_bundle')} at step "
-                             f"{restarts[-1].get('step')} without recording that bundle's training seconds: "
-                             "pass --seconds-before (its summary.json's train_seconds)")
+            raise SystemExit(
+                f"the run restarted from {restarts[-1].get('from_bundle')} at step "
+                f"{restarts[-1].get('step')} without recording that bundle's training seconds: "
+                "pass --seconds-before (its summary.json's train_seconds)"
+            )
     return round(sum(h["seconds"] for h in steps) + (before or 0.0), 1)
 
 

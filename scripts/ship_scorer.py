@@ -21,23 +21,31 @@ import shutil
 from pathlib import Path
 
 from kvpop.checkpoint import ASSETS, read_header
-from kvpop.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model
 from kvpop.files import atomic_writes
+from kvpop.models import DEFAULT_MODEL, EMBEDDED_MODELS, embedded_model
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("run", help="a kvpop train output folder")
     p.add_argument("--command", required=True, help="the command that trained it")
-    p.add_argument("--unique-tokens", type=int, required=True, help="distinct training tokens (store sequences x length)")
+    p.add_argument(
+        "--unique-tokens", type=int, required=True, help="distinct training tokens (store sequences x length)"
+    )
     p.add_argument("--capture-command", default="", help="the command that filled the capture store")
     p.add_argument("--capture-wall-seconds", type=float, default=None)
-    p.add_argument("--checkpoint", default="best.safetensors",
-                   help="the file of DIR to ship (scorer.safetensors: the last checkpoint of a run without validation)")
+    p.add_argument(
+        "--checkpoint",
+        default="best.safetensors",
+        help="the file of DIR to ship (scorer.safetensors: the last checkpoint of a run without validation)",
+    )
     p.add_argument("--validation", default=None, help="the validation report the scorer was chosen on (recorded)")
     p.add_argument("--note", default="", help="recorded as is (how it was chosen, what is estimated)")
-    p.add_argument("--model", default=None,
-                   help="the embedded model it was trained for (default: the run's --model, else the default model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the embedded model it was trained for (default: the run's --model, else the default model)",
+    )
     args = p.parse_args()
     run = Path(args.run)
     summary = json.loads((run / "summary.json").read_text())
@@ -45,15 +53,21 @@ def main() -> None:
     name = args.model or summary["config"].get("model") or DEFAULT_MODEL.name
     model = embedded_model(name)
     if model is None:
-        raise SystemExit(f"ship_scorer: --model {name!r} is not an embedded model "
-                         f"({', '.join(m.name for m in EMBEDDED_MODELS)}); only their scorers ship with kvpop")
+        raise SystemExit(
+            f"ship_scorer: --model {name!r} is not an embedded model "
+            f"({', '.join(m.name for m in EMBEDDED_MODELS)}); only their scorers ship with kvpop"
+        )
     if not model.ships_artefacts:
-        raise SystemExit(f"ship_scorer: kvpop ships nothing trained on {model.title} ({model.licence}); see docs/models.md")
+        raise SystemExit(
+            f"ship_scorer: kvpop ships nothing trained on {model.title} ({model.licence}); see docs/models.md"
+        )
     dest = ASSETS / f"{model.name}-{kind}.safetensors"
     best = run / args.checkpoint
     if not best.is_file():
-        raise SystemExit(f"ship_scorer: {best} does not exist (a run without validation has no best.safetensors: "
-                         "pass --checkpoint scorer.safetensors)")
+        raise SystemExit(
+            f"ship_scorer: {best} does not exist (a run without validation has no best.safetensors: "
+            "pass --checkpoint scorer.safetensors)"
+        )
     meta = read_header(best).get("meta", {})
     shipped = {
         "command": args.command,
@@ -77,8 +91,12 @@ def main() -> None:
         "config": summary["config"],
     }
     # both files at once, each whole: a killed ship leaves the old scorer and its summary as they were
-    atomic_writes([(dest, lambda tmp: shutil.copyfile(best, tmp)),
-                   (dest.with_suffix(".summary.json"), lambda tmp: Path(tmp).write_text(json.dumps(shipped, indent=1) + "\n"))])
+    atomic_writes(
+        [
+            (dest, lambda tmp: shutil.copyfile(best, tmp)),
+            (dest.with_suffix(".summary.json"), lambda tmp: Path(tmp).write_text(json.dumps(shipped, indent=1) + "\n")),
+        ]
+    )
     print(f"shipped {best} -> {dest}")
 
 

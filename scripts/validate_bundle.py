@@ -31,8 +31,13 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSON to write")
     ap.add_argument("--docs", type=int, default=None, help="fewer validation windows (a smoke test; default the run's)")
     ap.add_argument("--shard", default=None, metavar="I/N", help="validate windows j with j %% N == I-1 only")
-    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                    help="pool the reports of the shards of one validation into --out (no run, no bundle)")
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="pool the reports of the shards of one validation into --out (no run, no bundle)",
+    )
     args = ap.parse_args()
     if args.merge is not None:
         merge(args)
@@ -62,18 +67,30 @@ def main() -> None:
     torch.set_num_threads(1)
     blob = torch.load(state, map_location="cpu", weights_only=True)
     # the windows and lam come from the bundle's scorer (what a cache built on the bundle resolves)
-    cfg = AdaptConfig.from_saved(blob["config"], scorer=str(bundle / SCORER_FILE), window=None,
-                                 window_fraction=None, lam=None, out=str(Path(args.out).parent))
+    cfg = AdaptConfig.from_saved(
+        blob["config"],
+        scorer=str(bundle / SCORER_FILE),
+        window=None,
+        window_fraction=None,
+        lam=None,
+        out=str(Path(args.out).parent),
+    )
     t0 = time.time()
     model, tok = kvpop.load_model(cfg.model, progress=False)  # the run's base model (None: the embedded one)
     model, scorer, _ = load_adapter_bundle(model, bundle, merge=False)
     probe = AdaptProbe(model, tok, cfg, n_docs=args.docs, shard=shard)
     q = probe(scorer)
-    res = {"run": str(args.run), "bundle": str(bundle), "validation": q, "baseline": blob.get("baseline"),
-           "shard": args.shard,
-           "budgets": list(cfg.validation_budgets()),
-           "windows": {str(b): cfg.eviction(b).window for b in cfg.validation_budgets()},
-           "lam": cfg.trained_for()["lam"], "wall_s": round(time.time() - t0, 1)}
+    res = {
+        "run": str(args.run),
+        "bundle": str(bundle),
+        "validation": q,
+        "baseline": blob.get("baseline"),
+        "shard": args.shard,
+        "budgets": list(cfg.validation_budgets()),
+        "windows": {str(b): cfg.eviction(b).window for b in cfg.validation_budgets()},
+        "lam": cfg.trained_for()["lam"],
+        "wall_s": round(time.time() - t0, 1),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, res)
     print(probe.describe(q), f"({res['wall_s']} s)")
@@ -94,7 +111,9 @@ def merge(args) -> None:
         raise SystemExit("--merge: every report must come from a --shard I/N run") from None
     n = shards[0][1]
     if shards != [(i, n) for i in range(1, n + 1)]:
-        raise SystemExit(f"--merge: the shards {', '.join(f'{i}/{k}' for i, k in shards)} are not 1/{n} .. {n}/{n}, each once")
+        raise SystemExit(
+            f"--merge: the shards {', '.join(f'{i}/{k}' for i, k in shards)} are not 1/{n} .. {n}/{n}, each once"
+        )
     same = ("run", "bundle", "budgets", "windows", "lam")
     for f, r in zip(args.merge[1:], parts[1:], strict=True):
         diff = [k for k in same if r.get(k) != parts[0].get(k)]
@@ -104,15 +123,24 @@ def merge(args) -> None:
         q = merge_validations([r["validation"] for r in parts])
     except ValueError as exc:
         raise SystemExit(f"--merge: {exc}") from None
-    res = {**{k: parts[0].get(k) for k in ("run", "bundle")}, "validation": q, "baseline": parts[0].get("baseline"),
-           "shard": None, "merged_from": [str(f) for f in args.merge],
-           **{k: parts[0].get(k) for k in ("budgets", "windows", "lam")},
-           "wall_s": round(sum(r.get("wall_s") or 0 for r in parts), 1)}  # fmt: skip
+    res = {
+        **{k: parts[0].get(k) for k in ("run", "bundle")},
+        "validation": q,
+        "baseline": parts[0].get("baseline"),
+        "shard": None,
+        "merged_from": [str(f) for f in args.merge],
+        **{k: parts[0].get(k) for k in ("budgets", "windows", "lam")},
+        "wall_s": round(sum(r.get("wall_s") or 0 for r in parts), 1),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, res)
-    print(", ".join(f"B={b} retention {q[str(b)]['retention']:.4f} continuation "
-                    f"{q[str(b)]['continuation']['retention']:.4f}" for b in res["budgets"]),
-          f"({len(q[str(res['budgets'][0])]['per_doc'])} windows from {len(parts)} shards; {res['wall_s']} CPU s)")
+    print(
+        ", ".join(
+            f"B={b} retention {q[str(b)]['retention']:.4f} continuation {q[str(b)]['continuation']['retention']:.4f}"
+            for b in res["budgets"]
+        ),
+        f"({len(q[str(res['budgets'][0])]['per_doc'])} windows from {len(parts)} shards; {res['wall_s']} CPU s)",
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,25 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 def docs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("docs")
     rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "into", "green", "hills",
-             "and", "old", "trees"]  # fmt: skip
+    words = [
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "a",
+        "mat",
+        "while",
+        "dogs",
+        "ran",
+        "far",
+        "away",
+        "into",
+        "green",
+        "hills",
+        "and",
+        "old",
+        "trees",
+    ]
     for i in range(30):
         (folder / f"d{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
     return folder
@@ -47,15 +64,29 @@ def scorer_path(tmp_path_factory, docs):
     model = tiny_model("llama")
     tcfg = TrainConfig(docs_from=str(docs), seq_len=64, budgets=(24,), window=8, sinks=2, observed=(None, 4, 1))
     path = tmp_path_factory.mktemp("scorer") / "scorer.safetensors"
-    save_scorer(build_run_scorer(tcfg, model), path, {"fingerprint": model_fingerprint(model),
-                                                      "trained_for": trained_for(tcfg)})  # fmt: skip
+    save_scorer(
+        build_run_scorer(tcfg, model), path, {"fingerprint": model_fingerprint(model), "trained_for": trained_for(tcfg)}
+    )
     return path
 
 
 def _cfg(out, docs, scorer=None, **kw):
-    base = {"out": str(out), "docs_from": str(docs), "seq_len": 64, "budgets": (24,), "sinks": 2, "steps": 4,
-            "val_every": 2, "ckpt_every": 2, "val_docs": 0, "progress": False, "lr": 1e-2, "scorer_lr": 1e-2,
-            "lora_r": 4, "scorer": None if scorer is None else str(scorer)}  # fmt: skip
+    base = {
+        "out": str(out),
+        "docs_from": str(docs),
+        "seq_len": 64,
+        "budgets": (24,),
+        "sinks": 2,
+        "steps": 4,
+        "val_every": 2,
+        "ckpt_every": 2,
+        "val_docs": 0,
+        "progress": False,
+        "lr": 1e-2,
+        "scorer_lr": 1e-2,
+        "lora_r": 4,
+        "scorer": None if scorer is None else str(scorer),
+    }
     base.update(kw)
     return AdaptConfig(**base)
 
@@ -197,8 +228,13 @@ def test_validate_bundle_script_reproduces_the_runs_own_validation(tmp_path, doc
     s = adapt(_cfg(run, docs, scorer_path, model=str(tmp_path / "base"), steps=2, val_docs=1))
     out = tmp_path / "val.json"
     script = Path(__file__).resolve().parents[1] / "scripts" / "validate_bundle.py"
-    proc = subprocess.run([sys.executable, str(script), str(run), str(run / "adapter"), "--out", str(out)],
-                          check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(script), str(run), str(run / "adapter"), "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(out.read_text())
     want = s["history"][-1]["val"]
@@ -206,9 +242,15 @@ def test_validate_bundle_script_reproduces_the_runs_own_validation(tmp_path, doc
     for key in ("retention", "kl"):
         assert got["validation"]["24"][key] == pytest.approx(want["24"][key], rel=1e-5, abs=1e-7)
     assert got["validation"]["24"]["continuation"]["retention"] == pytest.approx(
-        want["24"]["continuation"]["retention"], rel=1e-5)
-    bad = subprocess.run([sys.executable, str(script), str(run), str(tmp_path), "--out", str(out)],
-                         check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+        want["24"]["continuation"]["retention"], rel=1e-5
+    )
+    bad = subprocess.run(
+        [sys.executable, str(script), str(run), str(tmp_path), "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode != 0 and "is not an adapter bundle" in bad.stderr
 
 
@@ -221,8 +263,9 @@ def test_validate_bundle_shards_merge_to_the_unsharded_validation(tmp_path, docs
     script = Path(__file__).resolve().parents[1] / "scripts" / "validate_bundle.py"
 
     def call(*args):
-        return subprocess.run([sys.executable, str(script), *map(str, args)], check=False, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, str(script), *map(str, args)], check=False, capture_output=True, text=True, timeout=300
+        )
 
     outs = {name: tmp_path / f"{name}.json" for name in ("all", "s1", "s2", "merged")}
     for name, extra in (("all", []), ("s1", ["--shard", "1/2"]), ("s2", ["--shard", "2/2"])):
@@ -252,8 +295,13 @@ def test_joint_diagnosis_scripts_read_the_run(tmp_path, docs, scorer_path):
     s = adapt(_cfg(run, docs, scorer_path, model=str(tmp_path / "base"), steps=2, val_docs=1, joint=True))
     scripts = Path(__file__).resolve().parents[1] / "research"
     out = tmp_path / "v.json"
-    proc = subprocess.run([sys.executable, str(scripts / "adapt_validations.py"), str(run), "--out", str(out)],
-                          check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(scripts / "adapt_validations.py"), str(run), "--out", str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     (rec,) = json.loads(out.read_text())
     assert rec["baseline"]["24"]["lm"] == s["baseline"]["24"]["retention"]
@@ -263,21 +311,52 @@ def test_joint_diagnosis_scripts_read_the_run(tmp_path, docs, scorer_path):
     assert rec["validations"][-1]["24"]["continuation"] == vals[-1]["val"]["24"]["continuation"]["retention"]
 
     trained = run / "adapter" / "scorer.safetensors"
-    proc = subprocess.run([sys.executable, str(scripts / "scorer_loss_check.py"), "--run", str(run), "--scorers",
-                           str(scorer_path), str(trained), "--train", "1", "--val", "1", "--out", str(out)],
-                          check=False, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(scripts / "scorer_loss_check.py"),
+            "--run",
+            str(run),
+            "--scorers",
+            str(scorer_path),
+            str(trained),
+            "--train",
+            "1",
+            "--val",
+            "1",
+            "--out",
+            str(out),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(out.read_text())["scorers"]
-    assert got[str(scorer_path)]["train"]["24"]["per_sequence"][0] == pytest.approx(s["history"][0]["scorer_loss"],
-                                                                                    rel=1e-4)  # fmt: skip
+    assert got[str(scorer_path)]["train"]["24"]["per_sequence"][0] == pytest.approx(
+        s["history"][0]["scorer_loss"], rel=1e-4
+    )
     assert got[str(trained)]["train"]["24"]["mean"] != got[str(scorer_path)]["train"]["24"]["mean"]
     assert all(math.isfinite(got[p]["validation"]["24"]["mean"]) for p in got)
 
 
 def test_streaming_control(tmp_path, docs):
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    s = adapt(_cfg(tmp_path, docs, mask="streaming", val_docs=1, steps=2, gradient_checkpointing=True,
-                   kl_positions="evicted", kl_tail="renormalize"), model, tok)  # fmt: skip
+    s = adapt(
+        _cfg(
+            tmp_path,
+            docs,
+            mask="streaming",
+            val_docs=1,
+            steps=2,
+            gradient_checkpointing=True,
+            kl_positions="evicted",
+            kl_tail="renormalize",
+        ),
+        model,
+        tok,
+    )
     assert all(h["scorer_loss"] is None for h in s["history"])
     assert s["trained_for"]["windows"] == {"24": 22}  # StreamingLLM at equal budget: window = B - sinks
     bundle = load_adapter_bundle(tiny_model("llama"), tmp_path / "adapter")
@@ -299,8 +378,10 @@ def test_resume_equals_uninterrupted_run(tmp_path, docs, scorer_path):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
 
 
-@pytest.mark.parametrize("change,needle", [({"budgets": (28,)}, "budgets"), ({"lr": 3e-3}, "lr"),
-                                          ({"lora_r": 2}, "lora_r"), ({"window": 6}, "windows")])  # fmt: skip
+@pytest.mark.parametrize(
+    "change,needle",
+    [({"budgets": (28,)}, "budgets"), ({"lr": 3e-3}, "lr"), ({"lora_r": 2}, "lora_r"), ({"window": 6}, "windows")],
+)
 def test_resume_refuses_other_settings(tmp_path, docs, scorer_path, change, needle):
     adapt(_cfg(tmp_path, docs, scorer_path, stop_after=2), tiny_model("llama"), tiny_tokenizer())
     with pytest.raises(ValueError, match=f"other settings.*{needle}: checkpoint"):
@@ -326,12 +407,14 @@ def test_bundle_loads_with_load_model(tmp_path, docs, scorer_path):
     # policy "kvpop" by name on a model loaded with a bundle: the bundle's scorer, its trained window
     named = kvpop.make_cache(model, "kvpop", budget=24, sinks=2)
     assert named.policy.scorer is scorer and "adapter bundle" in named.policy.source and named.eviction.window == 8
-    assert torch.equal(model(input_ids=IDS[:, :40], past_key_values=named).logits,
-                       model(input_ids=IDS[:, :40], past_key_values=kvpop.make_cache(model, policy, budget=24, window=8,
-                                                                                   sinks=2)).logits)  # fmt: skip
+    assert torch.equal(
+        model(input_ids=IDS[:, :40], past_key_values=named).logits,
+        model(
+            input_ids=IDS[:, :40], past_key_values=kvpop.make_cache(model, policy, budget=24, window=8, sinks=2)
+        ).logits,
+    )
     # an explicit path still wins over the bundle's scorer
-    assert kvpop.make_cache(model, "kvpop", budget=24, window=8, sinks=2,
-                            path=scorer_path).policy.scorer is not scorer  # fmt: skip
+    assert kvpop.make_cache(model, "kvpop", budget=24, window=8, sinks=2, path=scorer_path).policy.scorer is not scorer
     with pytest.raises(ValueError, match='adapter="default" is the shipped bundle of the embedded'):
         kvpop.load_model(tmp_path / "base", adapter="default", progress=False)
     save_tiny_model(tmp_path / "other", seed=3)
@@ -355,12 +438,46 @@ def test_ddp_two_processes_keep_identical_weights(tmp_path, docs, scorer_path):
     save_tiny_model(model_dir, "llama")
     out = tmp_path / "ddp"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-        "-m", "kvpop.adapt", "--out", str(out), "--model", str(model_dir), "--scorer", str(scorer_path),
-        "--docs-from", str(docs), "--seq-len", "64", "--budget", "24", "--sinks", "2", "--lora-r", "4",
-        "--steps", "3", "--batch-size", "2", "--ckpt-every", "2", "--val-every", "3", "--val-docs", "1",
-        "--lr", "1e-2", "--check-sync", "--no-progress",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29533",
+        "-m",
+        "kvpop.adapt",
+        "--out",
+        str(out),
+        "--model",
+        str(model_dir),
+        "--scorer",
+        str(scorer_path),
+        "--docs-from",
+        str(docs),
+        "--seq-len",
+        "64",
+        "--budget",
+        "24",
+        "--sinks",
+        "2",
+        "--lora-r",
+        "4",
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--ckpt-every",
+        "2",
+        "--val-every",
+        "3",
+        "--val-docs",
+        "1",
+        "--lr",
+        "1e-2",
+        "--check-sync",
+        "--no-progress",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -430,8 +547,14 @@ def test_compare_adapted(tmp_path, docs, scorer_path):
     ids = [torch.randint(3, 128, (64,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
     res = compare_adapted(base, tmp_path / "kv" / "adapter", ids, streaming_bundle=tmp_path / "st" / "adapter")
     rows = res["budgets"]["24"]
-    assert set(rows) == {"adapted kvpop", "adapted streaming", "base kvpop", "base streaming", "adapted dense",
-                         "streaming+ dense"}  # fmt: skip
+    assert set(rows) == {
+        "adapted kvpop",
+        "adapted streaming",
+        "base kvpop",
+        "base streaming",
+        "adapted dense",
+        "streaming+ dense",
+    }
     assert all(0 < r["retention"] and r["n_tokens"] == 2 * 39 for r in rows.values())
     # the continuation task next to lm: the last 64 / 16 = 4 predictions of each document, as kvpop eval scores it
     assert all(r["continuation"]["n_tokens"] == 2 * 4 and 0 < r["continuation"]["retention"] for r in rows.values())
@@ -452,11 +575,26 @@ def test_compare_adapted_command(tmp_path, docs, scorer_path, monkeypatch, capsy
     adapt(_cfg(tmp_path / "kv", docs, scorer_path, steps=2), tiny_model("llama"), tok)
     adapt(_cfg(tmp_path / "st", docs, mask="streaming", steps=2), tiny_model("llama"), tok)
     ids = [torch.randint(3, 128, (64,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    monkeypatch.setattr(harness, "corpus_documents",
-                        lambda tokenizer, cfg, notes: [("in_domain", "a", ids[:2]), ("out_of_domain", "b", ids[2:])])
-    args = ["--bundle", str(tmp_path / "kv" / "adapter"), "--streaming-bundle", str(tmp_path / "st" / "adapter"),
-            "--model", str(tmp_path / "base"), "--out", str(tmp_path / "rep"), "--compression", "0.625",
-            "--doc-tokens", "64", "--no-progress"]  # fmt: skip
+    monkeypatch.setattr(
+        harness,
+        "corpus_documents",
+        lambda tokenizer, cfg, notes: [("in_domain", "a", ids[:2]), ("out_of_domain", "b", ids[2:])],
+    )
+    args = [
+        "--bundle",
+        str(tmp_path / "kv" / "adapter"),
+        "--streaming-bundle",
+        str(tmp_path / "st" / "adapter"),
+        "--model",
+        str(tmp_path / "base"),
+        "--out",
+        str(tmp_path / "rep"),
+        "--compression",
+        "0.625",
+        "--doc-tokens",
+        "64",
+        "--no-progress",
+    ]
     # the base-model rows first (as while the adapters still train), then the rest in two shards
     assert kvpop_main(["compare-adapted", *args, "--rows", "base kvpop", "base streaming"]) == 0
     assert "3 documents, 3 in this shard, 6 of 6 units to run" in capsys.readouterr().err
@@ -471,8 +609,9 @@ def test_compare_adapted_command(tmp_path, docs, scorer_path, monkeypatch, capsy
     assert len(res["documents"]) == 3 and (tmp_path / "rep" / "adapt.png").stat().st_size > 0
     agg = res["aggregate"]
     assert agg["in_domain"]["n_docs"] == 2 and agg["out_of_domain"]["n_docs"] == 1 and agg["all"]["n_docs"] == 3
-    want = compare_adapted(tiny_model("llama"), tmp_path / "kv" / "adapter", ids,
-                           streaming_bundle=tmp_path / "st" / "adapter", merge=True)["budgets"]["24"]  # fmt: skip
+    want = compare_adapted(
+        tiny_model("llama"), tmp_path / "kv" / "adapter", ids, streaming_bundle=tmp_path / "st" / "adapter", merge=True
+    )["budgets"]["24"]
     for row, e in agg["all"]["24"].items():
         assert e["retention"] == pytest.approx(want[row]["retention"], rel=1e-6), row
         assert e["ci"]["retention"][0] <= e["ci"]["retention"][1]
@@ -518,8 +657,10 @@ def test_compare_adapted_report_reads_records_from_before_the_continuation():
     from kvpop.adapt.report import aggregate, table
 
     def rec(doc, lm, cont=None):
-        sums = {r: {"n": 10, "nll_dense": 10.0, "nll_policy": 10.0 + lm[i], "kl": 0.1, "top1": 9.0}
-                for i, r in enumerate(("adapted kvpop", "base kvpop"))}  # fmt: skip
+        sums = {
+            r: {"n": 10, "nll_dense": 10.0, "nll_policy": 10.0 + lm[i], "kl": 0.1, "top1": 9.0}
+            for i, r in enumerate(("adapted kvpop", "base kvpop"))
+        }
         out = {"domain": "in_domain", "corpus": "c", "doc": doc, "sums": {"24": sums}, "wall_s": 1.0}
         if cont is not None:
             out["continuation"] = {"24": {r: {**s, "nll_policy": 10.0 + cont} for r, s in sums.items()}}
@@ -547,8 +688,9 @@ def test_adapt_on_a_hybrid_model(tmp_path, docs, joint):
     base, _ = kvpop.load_model(tmp_path / "base", progress=False)
     tcfg = TrainConfig(docs_from=str(docs), seq_len=64, budgets=(24,), window=8, sinks=2, observed=(None, 4, 1))
     scorer = tmp_path / "scorer.safetensors"
-    save_scorer(build_run_scorer(tcfg, base), scorer, {"fingerprint": model_fingerprint(base),
-                                                       "trained_for": trained_for(tcfg)})  # fmt: skip
+    save_scorer(
+        build_run_scorer(tcfg, base), scorer, {"fingerprint": model_fingerprint(base), "trained_for": trained_for(tcfg)}
+    )
     s = adapt(_cfg(tmp_path / "run", docs, scorer, model=str(tmp_path / "base"), steps=2, val_docs=1, joint=joint))
     assert all(math.isfinite(h["kl"]) for h in s["history"]) and s["history"][-1]["val"]["24"]["retention"] > 0
     model, _ = kvpop.load_model(tmp_path / "base", adapter=tmp_path / "run" / "adapter", progress=False)
@@ -582,7 +724,8 @@ def test_from_bundle_continues_a_run_whose_state_is_lost(tmp_path, docs, scorer_
     cfg = _cfg(tmp_path / "x", docs, scorer_path, steps=4)
     student, _ = prepare_model(cfg, tiny_model("llama"))
     assert load_bundle_weights(student, BundleStart(bundle, 2, None)) == sum(
-        p.requires_grad for p in student.parameters())
+        p.requires_grad for p in student.parameters()
+    )
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     ref = load_adapter_bundle(tiny_model("llama"), bundle).model
     torch.testing.assert_close(_logits(student, ids), _logits(ref, ids))
@@ -594,8 +737,15 @@ def test_from_bundle_continues_a_run_whose_state_is_lost(tmp_path, docs, scorer_
     assert [h["step"] for h in s["history"]] == [3, 4]
     assert [h["lr"] for h in s["history"]] == pytest.approx([h["lr"] for h in full["history"][2:]], rel=1e-9)
     assert [h["budget"] for h in s["history"]] == [h["budget"] for h in full["history"][2:]]
-    assert s["restarts"] == [{"from_bundle": str(bundle), "step": 2, "optimizer": "AdamW moments reset to zero",
-                              "baseline": "recomputed", "train_seconds_before": None}]  # fmt: skip
+    assert s["restarts"] == [
+        {
+            "from_bundle": str(bundle),
+            "step": 2,
+            "optimizer": "AdamW moments reset to zero",
+            "baseline": "recomputed",
+            "train_seconds_before": None,
+        }
+    ]
     # once the run has its own state, a rerun resumes from that (the bundle is not read again)
     s2 = adapt(_cfg(tmp_path / "again", docs, scorer_path, steps=4, from_bundle=str(bundle)), tiny_model("llama"), tok)
     assert s2["restarts"] == s["restarts"] and [h["step"] for h in s2["history"]] == [3, 4]
@@ -603,24 +753,48 @@ def test_from_bundle_continues_a_run_whose_state_is_lost(tmp_path, docs, scorer_
     # a stored baseline with the same validation settings is reused
     cfg_val = _cfg(tmp_path / "v", docs, scorer_path, steps=4, val_docs=1, from_bundle=str(bundle))
     stored = {"24": {"retention": 0.5}, "mean_retention": 0.5}
-    write_json(bundle / "summary.json", {"config": json.loads(json.dumps(vars(cfg_val), default=list)),
-                                         "baseline": stored, "train_seconds": 12.5, "shipped_step": 2})  # fmt: skip
+    write_json(
+        bundle / "summary.json",
+        {
+            "config": json.loads(json.dumps(vars(cfg_val), default=list)),
+            "baseline": stored,
+            "train_seconds": 12.5,
+            "shipped_step": 2,
+        },
+    )
     calls = []
     monkeypatch.setattr(adapt_quality.AdaptProbe, "baseline", lambda self, scorer: calls.append(1) or {})
     s3 = adapt(cfg_val, tiny_model("llama"), tok)
-    assert calls == [] and s3["baseline"] == stored and s3["restarts"][0]["baseline"] == "from the bundle's summary.json"
+    assert (
+        calls == [] and s3["baseline"] == stored and s3["restarts"][0]["baseline"] == "from the bundle's summary.json"
+    )
     # the bundle's training seconds are kept, so that a shipped checkpoint's wall time counts its first steps
     assert s3["restarts"][0]["train_seconds_before"] == 12.5
     # a summary written for another step (copied beside a later LoRA) gives no seconds rather than wrong ones
-    write_json(bundle / "summary.json", {"config": json.loads(json.dumps(vars(cfg_val), default=list)),
-                                         "baseline": stored, "train_seconds": 12.5, "shipped_step": 1})  # fmt: skip
-    s4 = adapt(_cfg(tmp_path / "v2", docs, scorer_path, steps=4, val_docs=1, from_bundle=str(bundle)),
-               tiny_model("llama"), tok)  # fmt: skip
+    write_json(
+        bundle / "summary.json",
+        {
+            "config": json.loads(json.dumps(vars(cfg_val), default=list)),
+            "baseline": stored,
+            "train_seconds": 12.5,
+            "shipped_step": 1,
+        },
+    )
+    s4 = adapt(
+        _cfg(tmp_path / "v2", docs, scorer_path, steps=4, val_docs=1, from_bundle=str(bundle)), tiny_model("llama"), tok
+    )
     assert s4["restarts"][0]["train_seconds_before"] is None and s4["baseline"] == stored
 
 
-@pytest.mark.parametrize("change,needle", [({"lora_r": 2}, "adapter"), ({"seq_len": 48}, "seq_len"),
-                                          ({"steps": 2}, "nothing to train"), ({"lam": 0.01}, "trained_for")])  # fmt: skip
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"lora_r": 2}, "adapter"),
+        ({"seq_len": 48}, "seq_len"),
+        ({"steps": 2}, "nothing to train"),
+        ({"lam": 0.01}, "trained_for"),
+    ],
+)
 def test_from_bundle_refuses_another_run(tmp_path, docs, scorer_path, change, needle):
     adapt(_cfg(tmp_path / "run", docs, scorer_path, steps=4, stop_after=2), tiny_model("llama"), tiny_tokenizer())
     cfg = _cfg(tmp_path / "new", docs, scorer_path, steps=4, from_bundle=str(tmp_path / "run" / "adapter"))
@@ -671,9 +845,16 @@ def test_ship_adapter_writes_the_bundle_with_its_summary_and_note(tmp_path, monk
     spec.loader.exec_module(ship)
     run, bundle, target = tmp_path / "run", tmp_path / "bundle", tmp_path / "assets" / "shipped"
     run.mkdir()
-    (run / "summary.json").write_text(json.dumps({
-        "history": [{"step": 1, "seconds": 5.0}, {"step": 2, "seconds": 6.0, "val": {"mean_retention": 0.9}}],
-        "restarts": [], "best": {"step": 2}, "tokens_seen": 8}))
+    (run / "summary.json").write_text(
+        json.dumps(
+            {
+                "history": [{"step": 1, "seconds": 5.0}, {"step": 2, "seconds": 6.0, "val": {"mean_retention": 0.9}}],
+                "restarts": [],
+                "best": {"step": 2},
+                "tokens_seen": 8,
+            }
+        )
+    )
     bundle.mkdir()
     for name in ship.BUNDLE_FILES:
         (bundle / name).write_bytes(b"x")
@@ -681,8 +862,22 @@ def test_ship_adapter_writes_the_bundle_with_its_summary_and_note(tmp_path, monk
     target.mkdir(parents=True)
     (target / "stale.txt").write_text("old")
     monkeypatch.setattr(ship, "DEFAULT_ADAPTER", target)
-    monkeypatch.setattr(sys, "argv", ["ship_adapter.py", str(run), "--bundle", str(bundle), "--command", "kvpop adapt",
-                                      "--seconds-before", "100", "--note", "steps 1-2 estimated"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "ship_adapter.py",
+            str(run),
+            "--bundle",
+            str(bundle),
+            "--command",
+            "kvpop adapt",
+            "--seconds-before",
+            "100",
+            "--note",
+            "steps 1-2 estimated",
+        ],
+    )
     ship.main()
     summary = json.loads((target / "summary.json").read_text())
     assert summary["note"] == "steps 1-2 estimated"
@@ -694,11 +889,13 @@ def test_ship_adapter_writes_the_bundle_with_its_summary_and_note(tmp_path, monk
 def test_adapting_from_a_scorer_whose_tilt_scales_with_the_budget(tmp_path, docs):
     """The mask of each step uses the starting scorer's lam_scale / B, and the bundle records the rule."""
     model = tiny_model("llama")
-    tcfg = TrainConfig(docs_from=str(docs), seq_len=64, budget_range=(16, 32), sinks=2, observed=(None, 4, 1),
-                       lam_scale=0.32)  # fmt: skip
+    tcfg = TrainConfig(
+        docs_from=str(docs), seq_len=64, budget_range=(16, 32), sinks=2, observed=(None, 4, 1), lam_scale=0.32
+    )
     path = tmp_path / "scorer.safetensors"
-    save_scorer(build_run_scorer(tcfg, model), path, {"fingerprint": model_fingerprint(model),
-                                                      "trained_for": trained_for(tcfg)})  # fmt: skip
+    save_scorer(
+        build_run_scorer(tcfg, model), path, {"fingerprint": model_fingerprint(model), "trained_for": trained_for(tcfg)}
+    )
     cfg = _cfg(tmp_path / "run", docs, scorer=path, budgets=(16, 32))
     assert cfg.eviction(16).lam == pytest.approx(0.02) and cfg.eviction(32).lam == pytest.approx(0.01)
     assert cfg.trained_for()["lam_scale"] == 0.32 and cfg.resume_view()["lam_scale"] == 0.32

@@ -23,16 +23,19 @@ def _behaviour(model):
     mask = torch.ones_like(ids)
     mask[1, :5] = 0  # left padding
     out = {"none": model(ids, attention_mask=mask, use_cache=False).logits}
-    for name, make in (("dynamic", lambda: DynamicCache(config=model.config)),
-                       ("static", lambda: StaticCache(config=model.config, max_cache_len=64))):  # fmt: skip
+    for name, make in (
+        ("dynamic", lambda: DynamicCache(config=model.config)),
+        ("static", lambda: StaticCache(config=model.config, max_cache_len=64)),
+    ):
         cache = make()
         logits = [model(ids[:, :16], attention_mask=mask[:, :16], past_key_values=cache).logits]
         for i in range(16, 24):
             logits.append(model(ids[:, i : i + 1], attention_mask=mask[:, : i + 1], past_key_values=cache).logits)
         out[name] = torch.cat(logits, 1)
     out["generate"] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    out["generate_static"] = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                                            pad_token_id=0, cache_implementation="static")  # fmt: skip
+    out["generate_static"] = model.generate(
+        ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static"
+    )
     return out
 
 

@@ -14,8 +14,9 @@ from kvpop.rope import RopeSpec
 from kvpop.scorers import ScorerConfig, build_scorer
 from kvpop.scorers.average import average_scorers
 
-CFG = ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16, hidden=8, position_free=True,
-                   observed=(None, 3, 1), tilt=True)
+CFG = ScorerConfig(
+    kind="mlp", num_layers=2, kv_heads=2, head_dim=16, hidden=8, position_free=True, observed=(None, 3, 1), tilt=True
+)
 ROPE = RopeSpec(1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float) / 16)))
 
 
@@ -58,8 +59,12 @@ def test_average_scores_the_weighted_mean_on_every_path():
     # the same ranking the members agree on, without the tilt's averaging moving it: equal weights of one
     # scorer give that scorer back
     same = average_scorers([members[0], members[0]])
-    torch.testing.assert_close(same.forward_layer(0, k, v, 6, positions=pos, observed=obs),
-                               members[0].forward_layer(0, k, v, 6, positions=pos, observed=obs), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        same.forward_layer(0, k, v, 6, positions=pos, observed=obs),
+        members[0].forward_layer(0, k, v, 6, positions=pos, observed=obs),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_average_refuses_what_it_cannot_merge():
@@ -106,8 +111,10 @@ def test_average_scorers_script_writes_a_loadable_checkpoint(tmp_path, monkeypat
     assert [m["weight"] for m in got["average_of"]] == [0.75, 0.25]
     assert read_header(out)["config"]["hidden"] == 16
     k, v, obs, pos = _inputs()
-    want = 0.75 * _member(1).forward_layer(1, k, v, 6, positions=pos, observed=obs) + \
-        0.25 * _member(2).forward_layer(1, k, v, 6, positions=pos, observed=obs)
+    want = 0.75 * _member(1).forward_layer(1, k, v, 6, positions=pos, observed=obs) + 0.25 * _member(2).forward_layer(
+        1, k, v, 6, positions=pos, observed=obs
+    )
     with torch.no_grad():
-        torch.testing.assert_close(merged.forward_layer(1, k, v, 6, positions=pos, observed=obs), want.detach(),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            merged.forward_layer(1, k, v, 6, positions=pos, observed=obs), want.detach(), rtol=1e-5, atol=1e-5
+        )

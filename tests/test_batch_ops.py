@@ -22,8 +22,9 @@ KW = {"budget": 14, "window": 4, "sinks": 2}
 
 def _learned(model, kind="mlstm", seed=7):
     c = model.config
-    cfg = ScorerConfig(kind=kind, num_layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads,
-                       head_dim=c.head_dim, seed=seed)  # fmt: skip
+    cfg = ScorerConfig(
+        kind=kind, num_layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads, head_dim=c.head_dim, seed=seed
+    )
     return LearnedPolicy(build_scorer(cfg))
 
 
@@ -52,7 +53,9 @@ def test_batch_repeat_interleave_and_select_keep_every_row_exact(policy):
         cache.batch_repeat_interleave(2)  # rows a a b b c c
         cache.batch_select_indices(torch.tensor([5, 0, 3, 1]))  # rows c a b a
         prefixes = [c, a, b, a]
-        got = torch.cat([first[[2, 0, 1, 0]], *(model(cont[:4, i : i + 1], **cache_kwargs(cache)).logits for i in range(20))], 1)
+        got = torch.cat(
+            [first[[2, 0, 1, 0]], *(model(cont[:4, i : i + 1], **cache_kwargs(cache)).logits for i in range(20))], 1
+        )
     for row, prefix in enumerate(prefixes):
         ref = _run_alone(model, pol, prefix, cont[row : row + 1])
         torch.testing.assert_close(got[row : row + 1], ref, rtol=1e-4, atol=1e-4)
@@ -86,9 +89,20 @@ def test_beam_search_scores_equal_each_beam_run_alone(policy):
     prompts = torch.cat([_ids(24, 8), _ids(24, 9)])
     n = 12
     cache = KVpopCache(model.config, policy=pol, **KW)
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **cache_kwargs(cache), num_beams=3,
-                         num_return_sequences=2, max_new_tokens=n, min_new_tokens=n, length_penalty=0.0,
-                         do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    out = model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        **cache_kwargs(cache),
+        num_beams=3,
+        num_return_sequences=2,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        length_penalty=0.0,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     seqs = out.sequences
     assert seqs.shape == (4, 24 + n)
     for row in range(4):
@@ -105,9 +119,19 @@ def test_num_return_sequences_rows_equal_each_sequence_alone():
     n = 14
     torch.manual_seed(0)
     cache = KVpopCache(model.config, policy=pol, **KW)
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), **cache_kwargs(cache), do_sample=True,
-                         num_return_sequences=3, max_new_tokens=n, min_new_tokens=n, top_k=0,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    out = model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        **cache_kwargs(cache),
+        do_sample=True,
+        num_return_sequences=3,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        top_k=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
     got = torch.stack(out.logits, 1)  # [6, n, V]
     assert len({tuple(r.tolist()) for r in out.sequences}) > 2  # the samples differ
     for row in range(6):
@@ -124,8 +148,11 @@ def test_reset_restarts_policy_state():
     with torch.no_grad():
         model(a, **cache_kwargs(cache))
         cache.reset()
-        got = torch.cat([model(b[:, :10], **cache_kwargs(cache)).logits[:, -1:]]
-                        + [model(b[:, i : i + 1], **cache_kwargs(cache)).logits for i in range(10, 30)], 1)  # fmt: skip
+        got = torch.cat(
+            [model(b[:, :10], **cache_kwargs(cache)).logits[:, -1:]]
+            + [model(b[:, i : i + 1], **cache_kwargs(cache)).logits for i in range(10, 30)],
+            1,
+        )
     torch.testing.assert_close(got, _run_alone(model, pol, b[:, :10], b[:, 10:]), rtol=1e-4, atol=1e-4)
 
 
@@ -149,7 +176,9 @@ def test_decode_fast_path_decides_through_the_rule(monkeypatch):
             model(ids[:, i : i + 1], **cache_kwargs(cache))
     assert calls["decide_one"] > 0 and calls["decide_one_full"] > 0
     # a rule that always evicts the exiting token leaves the long-range slots as they were when they filled
-    monkeypatch.setattr(kvpop.rule, "decide_one_full", lambda p, i, ep, ei: (i.argmax(-1), torch.zeros_like(ep, dtype=torch.bool)))
+    monkeypatch.setattr(
+        kvpop.rule, "decide_one_full", lambda p, i, ep, ei: (i.argmax(-1), torch.zeros_like(ep, dtype=torch.bool))
+    )
     frozen = KVpopCache(model.config, policy="knorm", **KW)
     with torch.no_grad():
         for i in range(40):

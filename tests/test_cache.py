@@ -28,8 +28,9 @@ DTYPES = {"float32": (torch.float32, 2, 1e-4), "bfloat16": (torch.bfloat16, 1, 1
 def _policy(name, model):
     """A fresh policy instance; learned ones get a seeded random-init scorer for the tiny model."""
     if name.startswith("kvpop"):
-        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith(("+", "x")),
-                                     cross_heads=name.endswith("x"))
+        return random_learned_policy(
+            model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith(("+", "x")), cross_heads=name.endswith("x")
+        )
     return get_policy(name)
 
 
@@ -50,7 +51,13 @@ def _dense_logits(model, ids, prefill):
 
 @torch.no_grad()
 def _kvpop_logits(model, ids, cache, prefill, attention_mask=None):
-    outs = [model(ids[:, :prefill], past_key_values=cache, attention_mask=None if attention_mask is None else attention_mask[:, :prefill]).logits]
+    outs = [
+        model(
+            ids[:, :prefill],
+            past_key_values=cache,
+            attention_mask=None if attention_mask is None else attention_mask[:, :prefill],
+        ).logits
+    ]
     for i in range(prefill, ids.shape[1]):
         am = None if attention_mask is None else attention_mask[:, : i + 1]
         outs.append(model(ids[:, i : i + 1], past_key_values=cache, attention_mask=am).logits)
@@ -174,7 +181,9 @@ def test_left_padded_batch_equals_rows_alone(policy, dtype):
     mask[1, :15] = 0
     kw = {"budget": 14, "window": 4, "sinks": 2}
     cb = KVpopCache(model.config, policy=_policy(policy, model), **kw)
-    out = model.generate(batch, attention_mask=mask, past_key_values=cb, max_new_tokens=20, do_sample=False, pad_token_id=pad)
+    out = model.generate(
+        batch, attention_mask=mask, past_key_values=cb, max_new_tokens=20, do_sample=False, pad_token_id=pad
+    )
     for row, seq in ((0, a), (1, b)):
         ca = KVpopCache(model.config, policy=_policy(policy, model), **kw)
         alone = model.generate(seq, past_key_values=ca, max_new_tokens=20, do_sample=False, pad_token_id=pad)
@@ -255,8 +264,10 @@ def test_sliding_window_that_never_slides_is_full_attention():
     """Qwen2.5-style configs (use_sliding_window False) and a window >= max_position_embeddings never slide: the
     cache bounds every layer, and 40 tokens (more than the window of 16) are all held, as dense attention."""
     ids = _unique_ids(40)
-    for model in (tiny_model("qwen2", sliding_window=16, use_sliding_window=False),
-                  tiny_model("mistral", sliding_window=4096)):  # fmt: skip
+    for model in (
+        tiny_model("qwen2", sliding_window=16, use_sliding_window=False),
+        tiny_model("mistral", sliding_window=4096),
+    ):
         cache = KVpopCache(model.config, budget=64, policy="knorm")
         assert [type(layer).__name__ for layer in cache.layers] == ["KVpopLayer"] * model.config.num_hidden_layers
         with torch.no_grad():
@@ -342,8 +353,15 @@ def test_older_checkpoint_metadata_reads_as_a_range_and_a_fraction():
     fallback (the bug of issue #23: the bundle path resolved window 48 at B = 384)."""
     from kvpop.config import TrainedSettings
 
-    old = {"budgets": [512, 1024], "window": None, "window_fraction": None, "windows": {"512": 256, "1024": 512},
-           "sinks": 4, "lam": 0.0, "seq_len": 2048}
+    old = {
+        "budgets": [512, 1024],
+        "window": None,
+        "window_fraction": None,
+        "windows": {"512": 256, "1024": 512},
+        "sinks": 4,
+        "lam": 0.0,
+        "seq_len": 2048,
+    }
     t = TrainedSettings.from_meta(old)
     assert t.budget_range == (512, 1024) and t.window_fraction == 0.5 and t.window is None
     assert [t.window_at(b) for b in (256, 384, 2048)] == [128, 192, 1024]

@@ -38,8 +38,16 @@ def _ids(n, seed, batch=1):
 
 def _generate(model, ids, cache, mask=None, **kw):
     mask = torch.ones_like(ids) if mask is None else mask
-    return model.generate(ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=NEW, min_new_tokens=NEW,
-                          do_sample=False, pad_token_id=0, **kw)  # fmt: skip
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        **cache_kwargs(cache),
+        max_new_tokens=NEW,
+        min_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=0,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -69,8 +77,12 @@ def test_generate_on_a_used_cache_with_another_batch_size(policy):
     two = _ids(30, 3, batch=2)
     mask = torch.ones_like(two)
     mask[1, :6] = 0
-    calls = [(two, mask, {}), (_ids(12, 4), None, {}), (_ids(50, 5, batch=3), None, {}),
-             (_ids(30, 6), None, {"num_beams": 3})]
+    calls = [
+        (two, mask, {}),
+        (_ids(12, 4), None, {}),
+        (_ids(50, 5, batch=3), None, {}),
+        (_ids(30, 6), None, {"num_beams": 3}),
+    ]
     for ids, m, kw in calls:
         got = _generate(model, ids, cache, m, **kw)
         assert torch.equal(got, _generate(model, ids, KVpopCache(model.config, policy=pol, **KW), m, **kw))
@@ -119,8 +131,9 @@ def test_a_conversation_continues_by_resume_or_reruns_exactly(policy):
     assert torch.equal(resumed, fresh)
     prompt = _ids(10, 2)
     fed.clear()
-    assert torch.equal(_generate(model, prompt, cache),
-                       _generate(model, prompt, KVpopCache(model.config, policy=pol, **KW)))
+    assert torch.equal(
+        _generate(model, prompt, cache), _generate(model, prompt, KVpopCache(model.config, policy=pol, **KW))
+    )
     assert fed[0] == 10
 
 

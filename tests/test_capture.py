@@ -111,9 +111,7 @@ def test_padding(side):
         assert torch.isinf(t[:, ~mask[1].bool()]).all()
         torch.testing.assert_close(t[:, valid], a.target[0], atol=2e-5, rtol=0)
         # unpadded row 0 equals its own single-row capture
-        torch.testing.assert_close(
-            c.target[0], collect(model, ids[:1], window=w)[c.layer].target[0], atol=2e-5, rtol=0
-        )
+        torch.testing.assert_close(c.target[0], collect(model, ids[:1], window=w)[c.layer].target[0], atol=2e-5, rtol=0)
 
 
 def test_layers_subset_no_window_and_restore_on_error():

@@ -29,10 +29,21 @@ def _scorer_for(model, path, fingerprint=None, kind="mlp"):
 
 def test_config_fingerprint_fields():
     fp = config_fingerprint(tiny_config("qwen3", num_hidden_layers=3))
-    assert fp == {"model_type": "qwen3", "num_layers": 3, "q_heads": 4, "kv_heads": 2, "head_dim": 16,
-                  "hidden_size": 64, "vocab_size": 128, "rope": {"rope_theta": 10000.0, "rope_type": "default"}}  # fmt: skip
-    assert set(model_fingerprint(tiny_model("qwen3"))) == set(fp) | {"weights_sha256", "weights_bf16_sha256",
-                                                                  "weights_sampled_bf16_sha256"}
+    assert fp == {
+        "model_type": "qwen3",
+        "num_layers": 3,
+        "q_heads": 4,
+        "kv_heads": 2,
+        "head_dim": 16,
+        "hidden_size": 64,
+        "vocab_size": 128,
+        "rope": {"rope_theta": 10000.0, "rope_type": "default"},
+    }
+    assert set(model_fingerprint(tiny_model("qwen3"))) == set(fp) | {
+        "weights_sha256",
+        "weights_bf16_sha256",
+        "weights_sampled_bf16_sha256",
+    }
 
 
 def test_config_fingerprint_checked_without_the_model(tmp_path):
@@ -72,7 +83,11 @@ def test_weights_hash_does_not_depend_on_the_dtype(tmp_path):
     with pytest.raises(ScorerMismatchError, match="weights_bf16_sha256"):
         KVpopCache(other.config, policy="kvpop-mlp", path=path, model=other.to(torch.bfloat16), **KW)
     # a checkpoint from before the bfloat16 hash: only the float32 hash, so only a float32 model fits
-    old = {k: v for k, v in model_fingerprint(model).items() if k not in ("weights_bf16_sha256", "weights_sampled_bf16_sha256")}
+    old = {
+        k: v
+        for k, v in model_fingerprint(model).items()
+        if k not in ("weights_bf16_sha256", "weights_sampled_bf16_sha256")
+    }
     old_path = _scorer_for(model, tmp_path / "old.safetensors", fingerprint=old)
     KVpopCache(model.config, policy="kvpop-mlp", path=old_path, model=model, **KW)
     with pytest.raises(ScorerMismatchError, match="weights_sha256"):
@@ -82,8 +97,11 @@ def test_weights_hash_does_not_depend_on_the_dtype(tmp_path):
 def test_old_checkpoint_fingerprint_missing_fields_are_not_a_mismatch(tmp_path):
     """Shipped checkpoints record only architecture, layers, KV heads, head dim and the weight hash."""
     model = tiny_model("llama")
-    old = {k: v for k, v in model_fingerprint(model).items()
-           if k in ("model_type", "num_layers", "kv_heads", "head_dim", "weights_sha256")}  # fmt: skip
+    old = {
+        k: v
+        for k, v in model_fingerprint(model).items()
+        if k in ("model_type", "num_layers", "kv_heads", "head_dim", "weights_sha256")
+    }
     path = _scorer_for(model, tmp_path / "old.safetensors", fingerprint=old)
     KVpopCache(tiny_config("llama", vocab_size=256), policy="kvpop-mlp", path=path, **KW)  # vocab not recorded
     KVpopCache(model.config, policy="kvpop-mlp", path=path, model=model, **KW)
@@ -105,11 +123,17 @@ def test_default_policy_is_the_shipped_scorer_and_refuses_a_tiny_model():
     from kvpop.testing import tiny_tokenizer
 
     model = tiny_model("qwen2")
-    for build in (lambda: KVpopCache(model.config, **KW), lambda: kvpop.make_cache(model, **KW),
-                  lambda: kvpop.generate(model, tiny_tokenizer(), "hello", max_new_tokens=2, **KW)):  # fmt: skip
+    for build in (
+        lambda: KVpopCache(model.config, **KW),
+        lambda: kvpop.make_cache(model, **KW),
+        lambda: kvpop.generate(model, tiny_tokenizer(), "hello", max_new_tokens=2, **KW),
+    ):
         with warnings.catch_warnings():  # the mismatch alone: no warning about the settings of a scorer that cannot run
             warnings.simplefilter("error")
-            with pytest.raises(ScorerMismatchError, match=r"smollm2-135m-instruct-mlp\) were trained for a different model \(this one: qwen2"):
+            with pytest.raises(
+                ScorerMismatchError,
+                match=r"smollm2-135m-instruct-mlp\) were trained for a different model \(this one: qwen2",
+            ):
                 build()
     assert kvpop.DEFAULT_POLICY == "kvpop-mlp"
 

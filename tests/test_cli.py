@@ -29,13 +29,34 @@ def tiny(tmp_path_factory):
 
 
 def _generate(root, *extra):
-    return main(["generate", "--model", str(root / "model"), "--prompt-file", str(root / "prompt.txt"),
-                 "--budget", "16", "--window", "4", "--max-new-tokens", "6", *extra])  # fmt: skip
+    return main(
+        [
+            "generate",
+            "--model",
+            str(root / "model"),
+            "--prompt-file",
+            str(root / "prompt.txt"),
+            "--budget",
+            "16",
+            "--window",
+            "4",
+            "--max-new-tokens",
+            "6",
+            *extra,
+        ]
+    )
 
 
-@pytest.mark.parametrize("bench,option", [("generate", "--decode-steps"), ("overhead", "--context"),
-                                          ("prefill", "--repeats"), ("targets", "--sizes"),
-                                          ("gpu", "--contexts")])  # fmt: skip
+@pytest.mark.parametrize(
+    "bench,option",
+    [
+        ("generate", "--decode-steps"),
+        ("overhead", "--context"),
+        ("prefill", "--repeats"),
+        ("targets", "--sizes"),
+        ("gpu", "--contexts"),
+    ],
+)
 def test_bench_subcommand_help_shows_its_options(bench, option, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", bench, "--help"])
@@ -64,8 +85,26 @@ def test_generate_says_it_ran_the_compiled_step_by_default(tiny, capsys, monkeyp
 
     root, _ = tiny
     monkeypatch.delenv("KVPOP_COMPILE", raising=False)
-    assert main(["generate", "--model", str(root / "model"), "--prompt", "hello there", "--policy", "knorm",
-                 "--budget", "16", "--window", "4", "--max-new-tokens", "24"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(root / "model"),
+                "--prompt",
+                "hello there",
+                "--policy",
+                "knorm",
+                "--budget",
+                "16",
+                "--window",
+                "4",
+                "--max-new-tokens",
+                "24",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     if "compiling failed" in err:
         compile_unavailable(err)
@@ -103,8 +142,10 @@ def test_eval_scorer_is_a_path_routed_by_its_kind(tiny, tmp_path, capsys):
 
     _, paths = tiny
     args = build_parser().parse_args(["--out", "x", "--scorer", str(paths["mlp"]), "--scorer", str(paths["mlstm"])])
-    assert config_from_args(args).policy_kwargs == {"kvpop-mlp": {"path": str(paths["mlp"])},
-                                                    "kvpop": {"path": str(paths["mlstm"])}}  # fmt: skip
+    assert config_from_args(args).policy_kwargs == {
+        "kvpop-mlp": {"path": str(paths["mlp"])},
+        "kvpop": {"path": str(paths["mlstm"])},
+    }
     twice = build_parser().parse_args(["--out", "x", "--scorer", str(paths["mlp"]), "--scorer", str(paths["mlp"])])
     with pytest.raises(ValueError, match="two --scorer checkpoints of policy kvpop-mlp"):
         config_from_args(twice)
@@ -126,8 +167,10 @@ def test_info_shows_the_split_and_lam_the_cache_would_use(tiny, capsys):
     import json
 
     root, _ = tiny
-    assert main(["info", "--model", str(root / "model"), "--policy", "h2o", "--budget", "16", "--lam", "0.01",
-                 "--json"]) == 0  # fmt: skip
+    assert (
+        main(["info", "--model", str(root / "model"), "--policy", "h2o", "--budget", "16", "--lam", "0.01", "--json"])
+        == 0
+    )
     budget = json.loads(capsys.readouterr().out)["budget"]
     assert budget == {"policy": "h2o", "sinks": 4, "window": 8, "k": 4, "B": 16, "lam": 0.01}
     # the default policy is the shipped scorer, trained for SmolLM2: on another model, the library's split
@@ -168,8 +211,10 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
     import kvpop
 
     model, _ = kvpop.load_model(str(root / "model"), adapter=tmp_path / "mlp-bundle", progress=False)
-    for cache in (kvpop.KVpopCache(model.config, budget=16, policy="kvpop-mlp"),
-                  kvpop.make_cache(model, "kvpop-mlp", budget=16)):  # fmt: skip
+    for cache in (
+        kvpop.KVpopCache(model.config, budget=16, policy="kvpop-mlp"),
+        kvpop.make_cache(model, "kvpop-mlp", budget=16),
+    ):
         assert "adapter bundle" in cache.policy.source and cache.policy.scorer.config.kind == "mlp"
     # no policy named: the bundle's (the default follows the bundle, whichever kind its scorer is)
     for cache in (kvpop.KVpopCache(model.config, budget=16), kvpop.make_cache(model, budget=16)):
@@ -201,8 +246,10 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
     assert _compare_adapter(args(), ["dense", "streaming", "kvpop-mlp"]) is None
     monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "mlp-bundle")  # an MLP bundle ships
     assert _compare_adapter(args(), ["dense", "streaming", "kvpop-mlp"]) == "default"
-    assert _compare_adapter(args(), ["dense", "kvpop"]) is None and _compare_adapter(args(base_model=True),
-                                                                                      ["kvpop-mlp"]) is None
+    assert (
+        _compare_adapter(args(), ["dense", "kvpop"]) is None
+        and _compare_adapter(args(base_model=True), ["kvpop-mlp"]) is None
+    )
     assert _compare_adapter(args(), ["dense", "streaming"]) == "default" == _generate_adapter(args(), "dense")
     # another learned policy by name runs on the base model (the LoRA was adapted under the bundle's scorer)
     assert _generate_adapter(args(), "kvpop-mlp") == "default" and _generate_adapter(args(), "kvpop") is None
@@ -282,8 +329,26 @@ def test_bench_overhead_takes_a_scorer_for_its_kind(tiny, tmp_path, capsys):
 
     root, paths = tiny
     out = tmp_path / "overhead"
-    argv = ["bench", "overhead", "--model", str(root / "model"), "--policies", "streaming,kvpop-mlp", "--compile", "",
-            "--budget", "16", "--context", "40", "--steps", "2", "--rounds", "2", "--out", str(out)]  # fmt: skip
+    argv = [
+        "bench",
+        "overhead",
+        "--model",
+        str(root / "model"),
+        "--policies",
+        "streaming,kvpop-mlp",
+        "--compile",
+        "",
+        "--budget",
+        "16",
+        "--context",
+        "40",
+        "--steps",
+        "2",
+        "--rounds",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main([*argv, "--scorer", str(paths["mlp"])]) == 0
     result = json.loads(out.with_suffix(".json").read_text())
     assert [r["name"] for r in result["rows"]] == ["floor", "dense", "streaming", "kvpop-mlp"]

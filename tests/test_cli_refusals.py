@@ -18,18 +18,25 @@ NOT_UTF8 = b"The capital of \xff France is"
 # argv (after `kvpop`; "{model}": a model folder whose config.json says max_position_embeddings=4096, "{bad}": a
 # file with a byte that is not UTF-8, "-" reads standard input, which holds that text) -> a fragment of the one line
 ROWS = [
-    (["generate", "--compare", "dense,streaming", "--sinks", "600"],
-     "--sinks 600 leaves no slot for the recent window"),
-    (["generate", "--sinks", "600"],
-     "--sinks 600 leaves no slot for the recent window in the default --budget 512"),
+    (
+        ["generate", "--compare", "dense,streaming", "--sinks", "600"],
+        "--sinks 600 leaves no slot for the recent window",
+    ),
+    (["generate", "--sinks", "600"], "--sinks 600 leaves no slot for the recent window in the default --budget 512"),
     (["generate", "--policy", "streaming", "--budget", "16", "--sinks", "16"], "--sinks 16 leaves no slot"),
-    (["generate", "--policy", "h2o", "--compression", "0.5", "--reference-length", "64", "--sinks", "40"],
-     "--sinks 40 leaves no slot for the recent window in --compression 0.5 of --reference-length 64 (B=32)"),
+    (
+        ["generate", "--policy", "h2o", "--compression", "0.5", "--reference-length", "64", "--sinks", "40"],
+        "--sinks 40 leaves no slot for the recent window in --compression 0.5 of --reference-length 64 (B=32)",
+    ),
     (["generate", "--policy", "knorm", "--budget", "8", "--window", "8"], "budget=8 is smaller than sinks + window"),
-    (["generate", "--model", "{model}", "--budget", "100000"],
-     "--budget 100000 exceeds the model's position limit max_position_embeddings=4096"),
-    (["generate", "--model", "{model}", "--compare", "dense,streaming", "--budget", "100000"],
-     "max_position_embeddings=4096"),
+    (
+        ["generate", "--model", "{model}", "--budget", "100000"],
+        "--budget 100000 exceeds the model's position limit max_position_embeddings=4096",
+    ),
+    (
+        ["generate", "--model", "{model}", "--compare", "dense,streaming", "--budget", "100000"],
+        "max_position_embeddings=4096",
+    ),
     (["info", "--model", "{model}", "--budget", "100000"], "max_position_embeddings=4096"),
     (["info", "--sinks", "600"], "--sinks 600 leaves no slot"),
     (["generate", "--max-new-tokens", "0", "--policy", "dense"], "--max-new-tokens must be a positive int, got 0"),
@@ -39,8 +46,10 @@ ROWS = [
     (["generate", "--budget", "0"], "--budget must be a positive int, got 0"),
     (["generate", "--policy", "knorm", "--budget", "64", "--lam", "nan"], "--lam must be a finite number"),
     (["generate", "--compression", "1.5"], "--compression must be in (0, 1)"),
-    (["generate", "--prompt", "The capital of \udcff France is"],
-     "--prompt is not UTF-8 text: byte 0xff at character 15"),
+    (
+        ["generate", "--prompt", "The capital of \udcff France is"],
+        "--prompt is not UTF-8 text: byte 0xff at character 15",
+    ),
     (["generate", "--policy", "dense", "--prompt", ""], "--prompt is empty"),
     (["generate", "--policy", "dense", "--prompt-file", "{bad}"], "is not UTF-8 text: byte 0xff at offset 15"),
     (["generate", "--prompt-file", "-"], "--prompt-file - is not UTF-8 text: byte 0xff at offset 15"),
@@ -48,7 +57,7 @@ ROWS = [
     (["generate", "--adapter", "{model}", "--base-model"], "--adapter and --base-model exclude each other"),
     (["generate", "--compare", "dense,nope"], "--compare: unknown policy 'nope'"),
     (["generate", "--compare", "dense,streaming", "--policy", "h2o"], "--compare and --policy exclude each other"),
-]  # fmt: skip
+]
 
 
 @pytest.fixture
@@ -107,8 +116,18 @@ def test_a_bounded_budget_within_the_limit_and_dense_pass_the_checks(tmp_path):
 
     root = tmp_path
     model = Path(_argv(["generate", "--model", "{model}"], root)[2])
-    base = {"model": str(model), "compression": None, "reference_length": 4096, "window": None, "sinks": 4,
-            "lam": None, "max_new_tokens": 1, "prompt": "hi", "adapter": None, "base_model": False}  # fmt: skip
+    base = {
+        "model": str(model),
+        "compression": None,
+        "reference_length": 4096,
+        "window": None,
+        "sinks": 4,
+        "lam": None,
+        "max_new_tokens": 1,
+        "prompt": "hi",
+        "adapter": None,
+        "base_model": False,
+    }
     at_limit = argparse.Namespace(**base, budget=4096)
     _check_args(at_limit, bounded=True)
     _check_budget_fits(at_limit)

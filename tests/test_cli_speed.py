@@ -128,8 +128,9 @@ SLOW_SUBCOMMANDS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=why, strict=True))
-                                  for n, why in SLOW_SUBCOMMANDS.items()])  # fmt: skip
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.xfail(reason=why, strict=True)) for n, why in SLOW_SUBCOMMANDS.items()]
+)
 def test_subcommand_help_imports_no_torch(name, tmp_path):
     proc, modules, seconds = _run([*name.split(), "--help"], tmp_path)
     print(f"kvpop {name} --help: {seconds:.2f} s")

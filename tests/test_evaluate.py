@@ -41,11 +41,7 @@ def test_metrics_math():
     logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
     targets = torch.tensor([1, 2, 3, 4, 5])
     m = sums_from_logits(logits, logits.clone(), targets).metrics()
-    assert (
-        m["n_tokens"] == 5
-        and m["retention"] == pytest.approx(1.0)
-        and m["kl"] == pytest.approx(0.0, abs=1e-12)
-    )
+    assert m["n_tokens"] == 5 and m["retention"] == pytest.approx(1.0) and m["kl"] == pytest.approx(0.0, abs=1e-12)
     assert m["top1_agreement"] == 1.0
     nll = -torch.log_softmax(logits.double(), -1)[torch.arange(5), targets].mean().item()
     assert m["nll_dense"] == pytest.approx(nll) and m["ppl_dense"] == pytest.approx(math.exp(nll))
@@ -169,13 +165,12 @@ def test_run_eval_schema_and_plots(tmp_path):
         assert r["domain"] == "user" and r["n_items"] == 2
         assert set(r["metrics"]) >= {"retention", "kl", "top1_agreement", "nll_policy", "ppl_dense"}
         if r["policy"] == "dense":
-            assert r["metrics"]["retention"] == pytest.approx(1.0) and r["metrics"]["kl"] == pytest.approx(
-                0.0
-            )
+            assert r["metrics"]["retention"] == pytest.approx(1.0) and r["metrics"]["kl"] == pytest.approx(0.0)
         assert r["metrics"]["n_tokens"] == 2 * (63 - r["budget"])
         assert r["longdep"]["n_tokens"] <= r["metrics"]["n_tokens"] and "ci" in r and "per_item" in r
-        assert r["window"] == (None if r["policy"] == "dense" else r["budget"] - 4 if r["policy"] == "streaming"
-                               else r["budget"] // 2)  # the same window fraction for every policy, recorded
+        assert r["window"] == (
+            None if r["policy"] == "dense" else r["budget"] - 4 if r["policy"] == "streaming" else r["budget"] // 2
+        )  # the same window fraction for every policy, recorded
     cont = [r for r in recs if r["task"] == "continuation"]
     assert cont and all(r["metrics"]["n_tokens"] == 2 * 4 for r in cont)  # the last 64 // 16 = 4 predictions
     agr = [r for r in recs if r["task"] == "agreement"]
@@ -228,11 +223,18 @@ def test_split_picks_the_documents_and_is_part_of_the_fingerprint(tmp_path):
     fixtures = Path(__file__).parent / "fixtures" / "corpora"
     roots = {"paul_graham": fixtures / "paul_graham"}
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    test_cfg = _small_cfg(tasks=("lm",), policies=("dense", "knorm"), compressions=(0.75,), corpora=("paul_graham",),
-                          corpus_root=roots, doc_tokens=32, reference_length=64)  # fmt: skip
+    test_cfg = _small_cfg(
+        tasks=("lm",),
+        policies=("dense", "knorm"),
+        compressions=(0.75,),
+        corpora=("paul_graham",),
+        corpus_root=roots,
+        doc_tokens=32,
+        reference_length=64,
+    )
     val_cfg = _small_cfg(**{**test_cfg.__dict__, "split": "validation"})
     for cfg, split in ((test_cfg, "test"), (val_cfg, "validation")):
-        (_, name, docs), = corpus_documents(tok, cfg, [])
+        ((_, name, docs),) = corpus_documents(tok, cfg, [])
         want = long_documents(tok, "paul_graham", 32, split=split, max_docs=1, root=roots["paul_graham"])
         assert name == "paul_graham" and [d.tolist() for d in docs] == [d.tolist() for d in want] and want
     assert "split" not in fingerprint(model, test_cfg)  # folders made before --split still resume and merge
@@ -241,8 +243,14 @@ def test_split_picks_the_documents_and_is_part_of_the_fingerprint(tmp_path):
     with pytest.raises(ValueError, match="other settings"):
         run_eval(model, tok, val_cfg, progress=False, plots=False, out=tmp_path)
     with pytest.raises(ValueError, match="split must be one of train, validation, test"):
-        run_eval(model, tok, _small_cfg(**{**test_cfg.__dict__, "split": "dev"}), progress=False, plots=False,
-                 out=tmp_path / "bad")
+        run_eval(
+            model,
+            tok,
+            _small_cfg(**{**test_cfg.__dict__, "split": "dev"}),
+            progress=False,
+            plots=False,
+            out=tmp_path / "bad",
+        )
     assert not (tmp_path / "bad").exists()
 
 
@@ -253,8 +261,22 @@ def test_cli_on_saved_tiny_model(tmp_path, capsys):
     (docs / "a.txt").write_text(TEXT * 3)
     (docs / "b.txt").write_text(TEXT[::-1] * 3)
     out = tmp_path / "out"
-    args = ["--model", str(tmp_path / "model"), "--docs-from", str(docs), "--out", str(out), "--quick",
-            "--doc-tokens", "64", "--policies", "dense", "knorm", "no-such-policy", "--no-progress"]  # fmt: skip
+    args = [
+        "--model",
+        str(tmp_path / "model"),
+        "--docs-from",
+        str(docs),
+        "--out",
+        str(out),
+        "--quick",
+        "--doc-tokens",
+        "64",
+        "--policies",
+        "dense",
+        "knorm",
+        "no-such-policy",
+        "--no-progress",
+    ]
     assert main(args) == 2  # an unavailable policy is an error ...
     err = capsys.readouterr().err
     assert "no-such-policy" in err and "--skip-unavailable" in err
@@ -264,8 +286,9 @@ def test_cli_on_saved_tiny_model(tmp_path, capsys):
     data = json.loads((out / "results.json").read_text())
     assert {r["policy"] for r in data["records"]} == {"dense", "knorm"}
     assert "no-such-policy" in data["skipped_policies"]
-    assert all(r["task"] in ("lm", "continuation") and r["domain"] == "user" and r["budget"] == 8
-               for r in data["records"])  # fmt: skip
+    assert all(
+        r["task"] in ("lm", "continuation") and r["domain"] == "user" and r["budget"] == 8 for r in data["records"]
+    )
     assert (out / "lm.png").exists()
     printed = capsys.readouterr().out
     assert "knorm" in printed and "results.json" in printed and "skipped policies: no-such-policy" in printed
@@ -275,11 +298,21 @@ def test_cli_on_saved_tiny_model(tmp_path, capsys):
 
 def test_missing_learned_scorer_is_an_error_unless_skipped(tmp_path):
     model = tiny_model("llama")
-    kw = {"tasks": ("lm",), "policies": ("dense", "kvpop-mlp"), "compressions": (0.75,),
-          "policy_kwargs": {"kvpop-mlp": {"path": str(tmp_path / "missing.safetensors")}}}  # fmt: skip
+    kw = {
+        "tasks": ("lm",),
+        "policies": ("dense", "kvpop-mlp"),
+        "compressions": (0.75,),
+        "policy_kwargs": {"kvpop-mlp": {"path": str(tmp_path / "missing.safetensors")}},
+    }
     with pytest.raises(PolicyUnavailable, match="kvpop-mlp"):
-        run_eval(model, tiny_tokenizer(), _small_cfg(**kw, skip_unavailable=False), documents={"x": [_ids(64)]},
-                 progress=False, plots=False)  # fmt: skip
+        run_eval(
+            model,
+            tiny_tokenizer(),
+            _small_cfg(**kw, skip_unavailable=False),
+            documents={"x": [_ids(64)]},
+            progress=False,
+            plots=False,
+        )
     res = run_eval(model, tiny_tokenizer(), _small_cfg(**kw), documents={"x": [_ids(64)]}, progress=False, plots=False)
     assert "kvpop-mlp" in res["skipped_policies"] and res["policies"] == ["dense"]
     assert {r["policy"] for r in res["records"]} == {"dense"}
@@ -290,9 +323,21 @@ def test_eval_checks_the_shipped_scorer_against_the_model():
     (or, with skip_unavailable, skipped), with why."""
     kw = {"tasks": ("lm",), "policies": ("dense", "kvpop"), "compressions": (0.75,)}
     with pytest.raises(PolicyUnavailable, match="different model"):
-        run_eval(tiny_model("llama"), tiny_tokenizer(), _small_cfg(**kw, skip_unavailable=False),
-                 documents={"x": [_ids(64)]}, progress=False, plots=False)  # fmt: skip
-    res = run_eval(tiny_model("llama"), tiny_tokenizer(), _small_cfg(**kw), documents={"x": [_ids(64)]},
-                   progress=False, plots=False)  # fmt: skip
+        run_eval(
+            tiny_model("llama"),
+            tiny_tokenizer(),
+            _small_cfg(**kw, skip_unavailable=False),
+            documents={"x": [_ids(64)]},
+            progress=False,
+            plots=False,
+        )
+    res = run_eval(
+        tiny_model("llama"),
+        tiny_tokenizer(),
+        _small_cfg(**kw),
+        documents={"x": [_ids(64)]},
+        progress=False,
+        plots=False,
+    )
     assert res["policies"] == ["dense"]
     assert "different model" in res["skipped_policies"]["kvpop"]

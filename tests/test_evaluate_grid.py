@@ -41,10 +41,19 @@ def _ids(n, seed=0, vocab=128):
 
 
 def _cfg(**kw):
-    base = {"tasks": ("lm", "continuation", "needle", "multikey"), "policies": ("dense", "streaming", "knorm"),
-            "compressions": (0.5, 0.75), "reference_length": 64, "docs": 2, "doc_tokens": 64,
-            "needle_lengths": (200,), "needle_depths": (0.3, 0.7), "multikey_lengths": (240,), "multikey_cases": 1,
-            "bootstrap": 100}  # fmt: skip
+    base = {
+        "tasks": ("lm", "continuation", "needle", "multikey"),
+        "policies": ("dense", "streaming", "knorm"),
+        "compressions": (0.5, 0.75),
+        "reference_length": 64,
+        "docs": 2,
+        "doc_tokens": 64,
+        "needle_lengths": (200,),
+        "needle_depths": (0.3, 0.7),
+        "multikey_lengths": (240,),
+        "multikey_cases": 1,
+        "bootstrap": 100,
+    }
     base.update(kw)
     return EvalConfig(**base)
 
@@ -61,8 +70,9 @@ def _rows(results):
 
 
 def _run(model, cfg, out=None, **kw):
-    return run_eval(model, tiny_tokenizer(), cfg, documents=DOCS, filler=FILLER, out=out, progress=False,
-                    plots=False, **kw)  # fmt: skip
+    return run_eval(
+        model, tiny_tokenizer(), cfg, documents=DOCS, filler=FILLER, out=out, progress=False, plots=False, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +102,20 @@ def test_long_dependency_tokens_follow_the_threshold(model):
     thr = float((g[len(g) // 2] + g[len(g) // 2 + 1]) / 2)  # between two gains: no float-tolerance ties
     expect = gain > thr
     assert 0 < int(expect.sum()) < len(gain)
-    res = run_eval(model, tiny_tokenizer(), _cfg(tasks=("lm", "continuation"), policies=("dense", "knorm"),
-                   compressions=(1 - B / 64,), longdep_threshold=thr, continuation_tokens=10),
-                   documents={"x": [ids]}, progress=False, plots=False)  # fmt: skip
+    res = run_eval(
+        model,
+        tiny_tokenizer(),
+        _cfg(
+            tasks=("lm", "continuation"),
+            policies=("dense", "knorm"),
+            compressions=(1 - B / 64,),
+            longdep_threshold=thr,
+            continuation_tokens=10,
+        ),
+        documents={"x": [ids]},
+        progress=False,
+        plots=False,
+    )
     units = {u["policy"]: u for u in res["units"]}
     for u in units.values():
         s = u["sums"]
@@ -108,8 +129,14 @@ def test_long_dependency_tokens_follow_the_threshold(model):
     assert lm["knorm"]["longdep"]["fraction"] == pytest.approx(int(expect.sum()) / (63 - B))
     # a threshold below every gain selects every scored token; above every gain, none
     for t, n in ((float(g[0]) - 1.0, 63 - B), (float(g[-1]) + 1.0, 0)):
-        r = run_eval(model, tiny_tokenizer(), _cfg(tasks=("lm",), policies=("dense",), compressions=(1 - B / 64,),
-                     longdep_threshold=t), documents={"x": [ids]}, progress=False, plots=False)  # fmt: skip
+        r = run_eval(
+            model,
+            tiny_tokenizer(),
+            _cfg(tasks=("lm",), policies=("dense",), compressions=(1 - B / 64,), longdep_threshold=t),
+            documents={"x": [ids]},
+            progress=False,
+            plots=False,
+        )
         assert r["units"][0]["sums"]["longdep"]["n"] == n
 
 
@@ -148,12 +175,27 @@ def test_bootstrap_intervals():
 
 
 def _doc_unit(item, policy, nll_all, nll_ld, n_ld=2, budget=8):
-    sums = {"all": {"n": 10, "nll_dense": 20.0, "nll_policy": nll_all, "kl": 0.0, "top1": 10.0},
-            "longdep": {"n": n_ld, "nll_dense": 4.0, "nll_policy": nll_ld, "kl": 0.0, "top1": 2.0}}  # fmt: skip
+    sums = {
+        "all": {"n": 10, "nll_dense": 20.0, "nll_policy": nll_all, "kl": 0.0, "top1": 10.0},
+        "longdep": {"n": n_ld, "nll_dense": 4.0, "nll_policy": nll_ld, "kl": 0.0, "top1": 2.0},
+    }
     sums["cont"], sums["cont_longdep"] = sums["all"], sums["longdep"]
-    return {"key": f"doc/c/{item}|{policy}|{budget}", "kind": "doc", "item_id": f"doc/c/{item}", "source": "c",
-            "domain": "in_domain", "policy": policy, "budget": budget, "compression": 0.5, "sinks": 4,
-            "window": 4, "k": 0, "sums": sums, "longdep_threshold": 0.5, "wall_s": 1.0}  # fmt: skip
+    return {
+        "key": f"doc/c/{item}|{policy}|{budget}",
+        "kind": "doc",
+        "item_id": f"doc/c/{item}",
+        "source": "c",
+        "domain": "in_domain",
+        "policy": policy,
+        "budget": budget,
+        "compression": 0.5,
+        "sinks": 4,
+        "window": 4,
+        "k": 0,
+        "sums": sums,
+        "longdep_threshold": 0.5,
+        "wall_s": 1.0,
+    }
 
 
 def test_wins_and_losses_against_streaming():
@@ -169,10 +211,23 @@ def test_wins_and_losses_against_streaming():
     assert "vs_streaming" not in rows[("lm", "streaming", 8)] and "vs_streaming" not in rows[("lm", "knorm", 16)]
     assert rows[("continuation", "knorm", 8)]["vs_streaming"] == vs
     # choice tasks: correct where streaming is wrong = win
-    ch = [{"key": f"needle/p/{i}|{p}|8", "kind": "needle", "item_id": f"needle/p/{i}", "source": "p",
-           "domain": "synthetic", "policy": p, "budget": 8, "compression": 0.5, "length": 100, "depth": 0.5,
-           "correct": c} for i, (a, b) in enumerate([(1, 0), (0, 0), (0, 1), (1, 1), (1, 0)])
-          for p, c in (("streaming", bool(a)), ("tova", bool(b)))]  # fmt: skip
+    ch = [
+        {
+            "key": f"needle/p/{i}|{p}|8",
+            "kind": "needle",
+            "item_id": f"needle/p/{i}",
+            "source": "p",
+            "domain": "synthetic",
+            "policy": p,
+            "budget": 8,
+            "compression": 0.5,
+            "length": 100,
+            "depth": 0.5,
+            "correct": c,
+        }
+        for i, (a, b) in enumerate([(1, 0), (0, 0), (0, 1), (1, 1), (1, 0)])
+        for p, c in (("streaming", bool(a)), ("tova", bool(b)))
+    ]
     row = next(r for r in aggregate(ch, n_boot=50) if r["policy"] == "tova")
     assert row["vs_streaming"]["all"] == {"wins": 1, "losses": 2, "ties": 2, "n": 5}
     assert row["metrics"]["accuracy"] == pytest.approx(0.4)
@@ -205,7 +260,11 @@ def test_kill_and_rerun_skips_done_units(model, reference, tmp_path, monkeypatch
     res = _run(model, _cfg(), out)
     assert res["sessions"][0]["interrupted"] and res["sessions"][0]["units_run"] == 9  # the killed run is on record
     session = res["sessions"][-1]
-    assert not session["interrupted"] and session["units_done_before"] == 9 and session["units_run"] == len(reference["units"]) - 9
+    assert (
+        not session["interrupted"]
+        and session["units_done_before"] == 9
+        and session["units_run"] == len(reference["units"]) - 9
+    )
     assert all(json.loads(line) for line in recs.read_text().splitlines())  # the cut line was dropped
     assert _strip(res["units"]) == _strip(reference["units"])
     assert _rows(res) == _rows(reference)
@@ -242,8 +301,11 @@ def test_a_run_stopped_mid_item_resumes_without_its_shared_runs(model, tmp_path,
         real = getattr(grid, name)
         monkeypatch.setattr(grid, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     real_hidden = grid.hidden_states
-    monkeypatch.setattr(grid, "hidden_states", lambda m, ids, cache: calls.append(f"hidden {cache is None}")
-                        or real_hidden(m, ids, cache))  # fmt: skip
+    monkeypatch.setattr(
+        grid,
+        "hidden_states",
+        lambda m, ids, cache: calls.append(f"hidden {cache is None}") or real_hidden(m, ids, cache),
+    )
     res = run(out)
     assert calls == ["hidden False"]  # the one unit left ran only its own policy pass
     assert res["sessions"][-1]["units_run"] == 1 and _strip(res["units"]) == _strip(whole["units"])
@@ -274,8 +336,10 @@ def test_shards_cover_the_grid_and_merge(model, reference, tmp_path):
     assert _strip(merged["units"]) == _strip(reference["units"]) and _rows(merged) == _rows(reference)
     assert len(merged["sessions"]) == 3 and merged["wall_s"] > 0
     # the CLI merge, and a folder made with other settings refuses to be merged or resumed
-    assert main(["--merge", str(tmp_path / "sep1"), str(tmp_path / "sep2"), "--out", str(tmp_path / "m2"),
-                 "--no-plots"]) == 0  # fmt: skip
+    assert (
+        main(["--merge", str(tmp_path / "sep1"), str(tmp_path / "sep2"), "--out", str(tmp_path / "m2"), "--no-plots"])
+        == 0
+    )
     other = tmp_path / "other"
     _run(model, _cfg(tasks=("lm",), policies=("dense",), longdep_threshold=1.0), other)
     with pytest.raises(StoreMismatch, match="longdep_threshold"):
@@ -345,9 +409,27 @@ def test_docs_from_runs_the_text_tasks_and_says_what_it_does_not(tmp_path, capsy
     (docs / "one.txt").write_text(FILLER)
     (docs / "two.txt").write_text(FILLER[::-1])
     out = tmp_path / "out"
-    args = ["--model", str(tmp_path / "model"), "--docs-from", str(docs), "--out", str(out), "--doc-tokens", "80",
-            "--reference-length", "80", "--compression", "0.5", "--policies", "dense", "streaming", "knorm",
-            "--no-progress", "--bootstrap", "50"]  # fmt: skip
+    args = [
+        "--model",
+        str(tmp_path / "model"),
+        "--docs-from",
+        str(docs),
+        "--out",
+        str(out),
+        "--doc-tokens",
+        "80",
+        "--reference-length",
+        "80",
+        "--compression",
+        "0.5",
+        "--policies",
+        "dense",
+        "streaming",
+        "knorm",
+        "--no-progress",
+        "--bootstrap",
+        "50",
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     data = json.loads((out / "results.json").read_text())
@@ -359,8 +441,23 @@ def test_docs_from_runs_the_text_tasks_and_says_what_it_does_not(tmp_path, capsy
     assert main(args) == 0
     assert json.loads((out / "results.json").read_text())["sessions"][-1]["units_run"] == 0
     # asking for the synthetic tasks uses the user's text as filler
-    assert main([*args[:5], str(tmp_path / "out2"), *args[6:], "--task", "lm", "needle", "--needle-lengths", "200",
-                 "--needle-depths", "0.5"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                *args[:5],
+                str(tmp_path / "out2"),
+                *args[6:],
+                "--task",
+                "lm",
+                "needle",
+                "--needle-lengths",
+                "200",
+                "--needle-depths",
+                "0.5",
+            ]
+        )
+        == 0
+    )
     data = json.loads((tmp_path / "out2" / "results.json").read_text())
     assert {r["task"] for r in data["records"]} == {"lm", "needle"}
     assert {r["domain"] for r in data["records"] if r["task"] == "needle"} == {"user"}
@@ -401,9 +498,11 @@ def test_merged_notes_drop_superseded_resume_hints():
 
     stale = f"stopped after 10s (time limit), 3 units run; 2 units of this run remain: {RESUME_HINT}"
     fresh = f"stopped after 20s (time limit), 1 units run; 1 units of this run remain: {RESUME_HINT}"
-    sessions = [{"tag": "shard-1-of-2", "notes": ["corpus x: only 1 doc", stale]},
-                {"tag": "shard-2-of-2", "notes": [fresh]},
-                {"tag": "shard-1-of-2", "notes": ["corpus x: only 1 doc"]}]  # fmt: skip
+    sessions = [
+        {"tag": "shard-1-of-2", "notes": ["corpus x: only 1 doc", stale]},
+        {"tag": "shard-2-of-2", "notes": [fresh]},
+        {"tag": "shard-1-of-2", "notes": ["corpus x: only 1 doc"]},
+    ]
     notes = build_results([], sessions, {}, n_boot=10)["notes"]
     assert notes == ["corpus x: only 1 doc", fresh]
 
@@ -414,13 +513,22 @@ def test_a_learned_policy_is_resolved_once_per_run(model, tmp_path, monkeypatch)
     from kvpop.checkpoint import model_fingerprint, save_scorer
     from kvpop.scorers import ScorerConfig, build_scorer
 
-    path = save_scorer(build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16)),
-                       tmp_path / "mlp.safetensors", {"fingerprint": model_fingerprint(model)})  # fmt: skip
+    path = save_scorer(
+        build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16)),
+        tmp_path / "mlp.safetensors",
+        {"fingerprint": model_fingerprint(model)},
+    )
     reads = []
     real = checkpoint.load_scorer
     monkeypatch.setattr(checkpoint, "load_scorer", lambda *a, **k: reads.append(a) or real(*a, **k))
-    res = _run(model, _cfg(tasks=("lm", "continuation"), policies=("streaming", "kvpop-mlp"),
-                           policy_kwargs={"kvpop-mlp": {"path": str(path)}}))  # fmt: skip
+    res = _run(
+        model,
+        _cfg(
+            tasks=("lm", "continuation"),
+            policies=("streaming", "kvpop-mlp"),
+            policy_kwargs={"kvpop-mlp": {"path": str(path)}},
+        ),
+    )
     units = [r for r in res["records"] if r["policy"] == "kvpop-mlp"]
     assert len(units) == 4  # 2 tasks x 2 budgets, each over 3 documents: 12 caches
     assert len(reads) == 2  # the check before any work (check_policies), then once for the whole grid

@@ -34,9 +34,21 @@ def docs(tmp_path_factory):
 def _cfg(out, docs, **kw):
     from kvpop.train import TrainConfig
 
-    base = {"out": str(out), "docs_from": str(docs), "seq_len": 64, "budgets": (24,), "window": 8, "sinks": 2,
-            "steps": 2, "val_every": 2, "ckpt_every": 1, "val_docs": 0, "progress": False, "scorer": "mlp",
-            "observed": ()}  # fmt: skip
+    base = {
+        "out": str(out),
+        "docs_from": str(docs),
+        "seq_len": 64,
+        "budgets": (24,),
+        "window": 8,
+        "sinks": 2,
+        "steps": 2,
+        "val_every": 2,
+        "ckpt_every": 1,
+        "val_docs": 0,
+        "progress": False,
+        "scorer": "mlp",
+        "observed": (),
+    }
     base.update(kw)
     return TrainConfig(**base)
 
@@ -96,7 +108,9 @@ _CHILD = textwrap.dedent("""
 _POINTS = ["mid-write", "before-swap", "after-swap", "done"]
 
 
-@pytest.mark.parametrize("point,fallback", [(p, False) for p in _POINTS] + [(p, True) for p in [*_POINTS, "between-renames"]])
+@pytest.mark.parametrize(
+    "point,fallback", [(p, False) for p in _POINTS] + [(p, True) for p in [*_POINTS, "between-renames"]]
+)
 def test_a_killed_bundle_save_leaves_the_old_or_the_new_bundle(tmp_path, point, fallback):
     """Killed (SIGKILL) at each point of a save: the old or the new bundle is at the path, whole; with
     the two-rename fallback (no atomic exchange), between the renames only the set-aside old bundle
@@ -105,8 +119,11 @@ def test_a_killed_bundle_save_leaves_the_old_or_the_new_bundle(tmp_path, point, 
     _bundle(path, "old")
     import kvpop.files
 
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(path), point, "1" if fallback else "0",
-                              kvpop.files.__file__], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(path), point, "1" if fallback else "0", kvpop.files.__file__],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = child.stdout.readline().strip()
     assert line == point, line
     if point != "done":
@@ -183,7 +200,8 @@ def test_saved_files_get_the_users_umask(tmp_path):
     assert (tmp_path / "x.bin").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "b").stat().st_mode & 0o777 == 0o755
     assert {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "b").iterdir()} == {
-        f.name: 0o644 for f in (tmp_path / "b").iterdir()}
+        f.name: 0o644 for f in (tmp_path / "b").iterdir()
+    }
 
 
 def test_save_adapter_bundle_keeps_the_previous_bundle_on_a_failed_write(tmp_path, monkeypatch):

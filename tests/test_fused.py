@@ -1,4 +1,5 @@
-"""The fused steady decode step (kvpop.step, kvpop.scorers.decode): equal to the warm-up's masked step, eager and compiled."""
+"""The fused steady decode step (kvpop.step, kvpop.scorers.decode): equal to the warm-up's masked step, eager and
+compiled."""
 
 import warnings
 
@@ -14,8 +15,9 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 def _policy(name, model):
     if name.startswith("kvpop"):
-        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith(("+", "x")),
-                                     cross_heads=name.endswith("x"))
+        return random_learned_policy(
+            model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith(("+", "x")), cross_heads=name.endswith("x")
+        )
     return name
 
 
@@ -38,8 +40,9 @@ DTYPES = {"float32": (torch.float32, 2, 1e-5), "bfloat16": (torch.bfloat16, 1, 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("policy", ["h2o", "tova", "snapkv", "knorm", "random", "kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+",
-                                    "kvpop-mlpx"])
+@pytest.mark.parametrize(
+    "policy", ["h2o", "tova", "snapkv", "knorm", "random", "kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+", "kvpop-mlpx"]
+)
 @pytest.mark.parametrize("batch", [1, 2])
 def test_steady_path_equals_general_decode(policy, batch, dtype):
     """Same logits, same held tokens, same priorities and scorer state with and without the fused steady path."""
@@ -77,8 +80,18 @@ def test_decode_scores_equal_step_and_read():
         state = scorer.init_state(2)[0]
         if state is not None:  # a non-empty state, as in decoding
             state = scorer.step(0, state, *(torch.randn(2, 2, 9, 16, generator=g) for _ in range(2)))
-        s1, r1 = scorer.step_and_read(0, state, k_new, v_new, k_rd, v_rd, new_positions=t_new.view(2, 1),
-                                      read_positions=t_rd.view(2, 1), observed=obs, window=6)
+        s1, r1 = scorer.step_and_read(
+            0,
+            state,
+            k_new,
+            v_new,
+            k_rd,
+            v_rd,
+            new_positions=t_new.view(2, 1),
+            read_positions=t_rd.view(2, 1),
+            observed=obs,
+            window=6,
+        )
         s2, r2 = scorer.decode_scores(0, state, k_new, v_new, k_rd, v_rd, t_new, t_rd, obs, 6)
         torch.testing.assert_close(r2, r1.squeeze(-1), rtol=1e-5, atol=1e-5)
         if s1 is not None:

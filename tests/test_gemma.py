@@ -37,8 +37,24 @@ def test_gemma_loads_as_a_hybrid_model(gemma):
 @pytest.mark.parametrize("policy", ["streaming", "h2o"])
 def test_cli_generates_with_the_whole_cache_bounded(gemma, policy, capsys):
     prompt = "The history of the Roman Empire"
-    assert main(["generate", "--model", "gemma3-270m", "--policy", policy, "--budget", "64", "--prompt", prompt,
-                 "--max-new-tokens", "8"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "gemma3-270m",
+                "--policy",
+                policy,
+                "--budget",
+                "64",
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     assert out.out.strip() and "sliding_layers=15 (window 512)" in out.err
     model, tok = gemma
@@ -56,11 +72,13 @@ def test_budget_at_least_length_equals_its_own_cache(gemma):
     ids = tok("The quick brown fox jumps over the lazy dog. " * 6, return_tensors="pt").input_ids[:, :64]
     with torch.no_grad():
         dense = DynamicCache(config=model.config)
-        want = torch.cat([model(ids[:, :48], **cache_kwargs(dense)).logits,
-                          model(ids[:, 48:], **cache_kwargs(dense)).logits], 1)  # fmt: skip
+        want = torch.cat(
+            [model(ids[:, :48], **cache_kwargs(dense)).logits, model(ids[:, 48:], **cache_kwargs(dense)).logits], 1
+        )
         cache = kvpop.KVpopCache(model.config, budget=80, window=16, policy="h2o")
-        got = torch.cat([model(ids[:, :48], **cache_kwargs(cache)).logits,
-                         model(ids[:, 48:], **cache_kwargs(cache)).logits], 1)  # fmt: skip
+        got = torch.cat(
+            [model(ids[:, :48], **cache_kwargs(cache)).logits, model(ids[:, 48:], **cache_kwargs(cache)).logits], 1
+        )
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

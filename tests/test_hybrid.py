@@ -25,8 +25,10 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 # every policy (kvpop.policy_names() but dense, which is no KVpop cache), the learned ones with their extra inputs too
 POLICIES = [p for p in kvpop.policy_names() if p != "dense"] + ["kvpop+", "kvpop-mlp+", "kvpop-mlpx"]
 # Gemma 3 (sliding, full, sliding, full; window 8) and Qwen2 with its last two of four layers sliding
-HYBRIDS = {"gemma3": {}, "qwen2": {"num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 8,
-                                   "max_window_layers": 2}}  # fmt: skip
+HYBRIDS = {
+    "gemma3": {},
+    "qwen2": {"num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+}
 KW = {"budget": 20, "window": 6, "sinks": 2}
 
 
@@ -39,8 +41,9 @@ def _policy(name, model, ids=None):
     if name == "oracle":
         return OraclePolicy([c.target for c in collect(model, ids, window=KW["window"])])
     if name.startswith("kvpop"):
-        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith(("+", "x")),
-                                     cross_heads=name.endswith("x"))
+        return random_learned_policy(
+            model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith(("+", "x")), cross_heads=name.endswith("x")
+        )
     return get_policy(name)
 
 
@@ -65,10 +68,12 @@ def test_layer_kinds_read_from_each_config_family():
 
 @pytest.mark.parametrize(
     "arch,overrides",
-    [("mistral", {"sliding_window": 16}),
-     ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}),
-     ("gemma3", {"layer_types": ["sliding_attention"] * 4})],
-)  # fmt: skip
+    [
+        ("mistral", {"sliding_window": 16}),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}),
+        ("gemma3", {"layer_types": ["sliding_attention"] * 4}),
+    ],
+)
 def test_a_model_whose_every_layer_slides_is_refused_before_any_work(arch, overrides, monkeypatch):
     model = tiny_model(arch, **overrides)
     monkeypatch.setattr(kvpop.cache, "get_policy", lambda *a, **k: pytest.fail("a policy was built"))
@@ -146,11 +151,17 @@ def test_left_padded_batch_equals_rows_alone(policy):
     mask = torch.ones_like(batch)
     mask[1, :15] = 0
     cb = KVpopCache(model.config, policy=_policy(policy, model), **KW)
-    out = model.generate(batch, attention_mask=mask, **cache_kwargs(cb), max_new_tokens=20, do_sample=False,
-                         pad_token_id=0)  # fmt: skip
+    out = model.generate(
+        batch, attention_mask=mask, **cache_kwargs(cb), max_new_tokens=20, do_sample=False, pad_token_id=0
+    )
     for row, seq in ((0, a), (1, b)):
-        alone = model.generate(seq, **cache_kwargs(KVpopCache(model.config, policy=_policy(policy, model), **KW)),
-                               max_new_tokens=20, do_sample=False, pad_token_id=0)  # fmt: skip
+        alone = model.generate(
+            seq,
+            **cache_kwargs(KVpopCache(model.config, policy=_policy(policy, model), **KW)),
+            max_new_tokens=20,
+            do_sample=False,
+            pad_token_id=0,
+        )
         new = alone[0, seq.shape[1] :]  # up to its end of sequence, where a row alone stops
         assert torch.equal(out[row, batch.shape[1] : batch.shape[1] + new.shape[0]], new)
     assert cb.layers[1].slot_index[1].max() == 25 + 20 - 2  # padding never occupies a slot
@@ -193,8 +204,20 @@ def test_training_a_scorer_for_a_hybrid_model_starts(tmp_path):
     for i in range(6):
         (docs / f"d{i}.txt").write_text(" ".join(["the cat sat on a mat while dogs ran far"] * 40))
     model = tiny_model("gemma3")
-    cfg = TrainConfig(out=str(tmp_path / "run"), docs_from=str(docs), seq_len=64, budgets=(24,), window=8, sinks=2,
-                      steps=2, val_every=2, ckpt_every=2, val_docs=1, progress=False, observed=(None, 4, 1))  # fmt: skip
+    cfg = TrainConfig(
+        out=str(tmp_path / "run"),
+        docs_from=str(docs),
+        seq_len=64,
+        budgets=(24,),
+        window=8,
+        sinks=2,
+        steps=2,
+        val_every=2,
+        ckpt_every=2,
+        val_docs=1,
+        progress=False,
+        observed=(None, 4, 1),
+    )
     summary = train(cfg, model, tiny_tokenizer())
     assert len(summary["history"]) == 2 and all(torch.isfinite(torch.tensor([h["loss"] for h in summary["history"]])))
     scorer, _ = load_scorer(tmp_path / "run" / "scorer.safetensors", model=model)
@@ -208,11 +231,21 @@ def test_beam_search_reorders_both_kinds_of_layer(policy):
     the beams equal the model's own; at a small one every beam's score equals its sequence run alone."""
     model = tiny_model("gemma3")
     prompt = _ids(24, seed=8)
-    kw = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 12, "min_new_tokens": 12, "do_sample": False,
-          "length_penalty": 0.0, "output_scores": True, "return_dict_in_generate": True, "pad_token_id": 0}  # fmt: skip
+    kw = {
+        "num_beams": 3,
+        "num_return_sequences": 2,
+        "max_new_tokens": 12,
+        "min_new_tokens": 12,
+        "do_sample": False,
+        "length_penalty": 0.0,
+        "output_scores": True,
+        "return_dict_in_generate": True,
+        "pad_token_id": 0,
+    }
     big = KVpopCache(model.config, budget=64, window=8, sinks=2, policy=_policy(policy, model))
-    assert torch.equal(model.generate(prompt, **cache_kwargs(big), **kw).sequences,
-                       model.generate(prompt, **kw).sequences)  # fmt: skip
+    assert torch.equal(
+        model.generate(prompt, **cache_kwargs(big), **kw).sequences, model.generate(prompt, **kw).sequences
+    )
     pol = _policy(policy, model)
     out = model.generate(prompt, **cache_kwargs(KVpopCache(model.config, policy=pol, **KW)), **kw)
     for row in range(2):

@@ -6,8 +6,20 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvpop"
-ABOVE = ["train", "adapt", "evaluate", "bench", "data", "cli.py", "options.py", "runs.py", "quality.py",
-         "plotting.py", "compare.py", "serving"]  # fmt: skip
+ABOVE = [
+    "train",
+    "adapt",
+    "evaluate",
+    "bench",
+    "data",
+    "cli.py",
+    "options.py",
+    "runs.py",
+    "quality.py",
+    "plotting.py",
+    "compare.py",
+    "serving",
+]
 # (file, imported module) -> why it is imported inside a function
 DEFERRED = {
     ("plotting.py", "matplotlib"): "heavy (~0.5 s); only the PNG writers need it",
@@ -34,8 +46,14 @@ DEFERRED = {
     ("train/cli.py", ".loop"): "the training loop (torch, the model code) loads once a checked run starts",
     ("adapt/cli.py", ".loop"): "the adaptation loop (torch, the model code) loads once a checked run starts",
     ("evaluate/cli.py", ".suite"): "`kvpop eval tasks`: the task suite's own parser and run, loaded when it is named",
-    ("evaluate/humaneval.py", "..data.base"): "the corpora import torch: HumanEval's problems are read when cases are built",
-    ("evaluate/humaneval.py", "..data.splits"): "the corpora import torch: HumanEval's problems are read when cases are built",
+    (
+        "evaluate/humaneval.py",
+        "..data.base",
+    ): "the corpora import torch: HumanEval's problems are read when cases are built",
+    (
+        "evaluate/humaneval.py",
+        "..data.splits",
+    ): "the corpora import torch: HumanEval's problems are read when cases are built",
     ("evaluate/humaneval.py", ".tasks"): "the chat prompt helper (torch): the sandbox and extraction need none",
     ("evaluate/ruler.py", ".tasks"): "the chat prompt helper (torch): case text and scoring need none",
     ("serving/merged.py", "transformers"): "the tokenizer is saved only when a folder is merged",
@@ -76,8 +94,12 @@ def _targets(path: Path, node) -> list[str]:
     if node.level:
         base = base[: len(base) - node.level + 1]
     mod = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
-    subs = [f"{mod}.{a.name}" for a in node.names if (SRC.parent / f"{mod}.{a.name}".replace(".", "/")).exists()
-            or (SRC.parent / (f"{mod}.{a.name}".replace(".", "/") + ".py")).exists()]  # fmt: skip
+    subs = [
+        f"{mod}.{a.name}"
+        for a in node.names
+        if (SRC.parent / f"{mod}.{a.name}".replace(".", "/")).exists()
+        or (SRC.parent / (f"{mod}.{a.name}".replace(".", "/") + ".py")).exists()
+    ]
     return subs or [mod]
 
 
@@ -124,4 +146,6 @@ def test_imports_inside_functions_are_the_listed_ones():
                     elif isinstance(node, ast.Import):
                         found |= {(str(f.relative_to(SRC)), a.name) for a in node.names}
     found = {(f, m) for f, m in found if not _optional(m) and f not in DEFERRED_MODULES}
-    assert found == set(DEFERRED), f"unlisted: {sorted(found - set(DEFERRED))}; listed but gone: {sorted(set(DEFERRED) - found)}"
+    assert found == set(DEFERRED), (
+        f"unlisted: {sorted(found - set(DEFERRED))}; listed but gone: {sorted(set(DEFERRED) - found)}"
+    )

@@ -69,8 +69,13 @@ def test_shipped_scorers_and_adapter_fit_the_embedded_model_in_bfloat16(real):
     from kvpop.checkpoint import DEFAULT_ADAPTER, DEFAULT_SCORERS, read_header
 
     for path in DEFAULT_SCORERS.values():
-        assert read_header(path)["meta"]["fingerprint"]["weights_sampled_bf16_sha256"] == fp["weights_sampled_bf16_sha256"]
-    assert read_bundle_meta(DEFAULT_ADAPTER)["fingerprint"]["weights_sampled_bf16_sha256"] == fp["weights_sampled_bf16_sha256"]
+        assert (
+            read_header(path)["meta"]["fingerprint"]["weights_sampled_bf16_sha256"] == fp["weights_sampled_bf16_sha256"]
+        )
+    assert (
+        read_bundle_meta(DEFAULT_ADAPTER)["fingerprint"]["weights_sampled_bf16_sha256"]
+        == fp["weights_sampled_bf16_sha256"]
+    )
     for name in ("kvpop", "kvpop-mlp"):
         kvpop.make_cache(half, name, budget=64)
     adapted, _ = kvpop.load_model(adapter="default", dtype=torch.bfloat16, progress=False)

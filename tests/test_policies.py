@@ -18,8 +18,11 @@ def test_every_builtin_policy_is_a_frozen_dataclass():
     model = tiny_model("llama", num_hidden_layers=2)
     for name in POLICIES:
         kw = {"targets": [torch.zeros(1, 2, 8)] * 2} if name == "oracle" else {}
-        policy = random_learned_policy(model, "mlp" if name == "kvpop-mlp" else "mlstm") \
-            if name.startswith("kvpop") else get_policy(name, **kw)
+        policy = (
+            random_learned_policy(model, "mlp" if name == "kvpop-mlp" else "mlstm")
+            if name.startswith("kvpop")
+            else get_policy(name, **kw)
+        )
         assert dataclasses.is_dataclass(policy), name
         field = next((f.name for f in dataclasses.fields(policy)), "obs_window")
         with pytest.raises(dataclasses.FrozenInstanceError):

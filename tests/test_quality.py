@@ -55,12 +55,19 @@ def test_lm_and_continuation_score_the_documented_positions(model):
 def test_one_forward_equals_token_by_token(model):
     ids = IDS[:90]
     dense = hidden_states(model, ids)
-    one = score_document(model, ids, dense, hidden_states(model, ids, make_cache(model, "h2o", budget=24, window=8,
-                                                                                sinks=2)), 24)  # fmt: skip
+    one = score_document(
+        model, ids, dense, hidden_states(model, ids, make_cache(model, "h2o", budget=24, window=8, sinks=2)), 24
+    )
     cache = make_cache(model, "h2o", budget=24, window=8, sinks=2)
     with torch.no_grad():
-        steps = torch.cat([model.model(input_ids=ids.view(1, -1)[:, i : i + 1], **cache_kwargs(cache),
-                                       use_cache=True).last_hidden_state[0] for i in range(90)])  # fmt: skip
+        steps = torch.cat(
+            [
+                model.model(
+                    input_ids=ids.view(1, -1)[:, i : i + 1], **cache_kwargs(cache), use_cache=True
+                ).last_hidden_state[0]
+                for i in range(90)
+            ]
+        )
     tok = score_document(model, ids, dense, steps, 24)
     assert one.lm.retention == pytest.approx(tok.lm.retention, rel=1e-5)
     assert one.continuation.kl == pytest.approx(tok.continuation.kl, rel=1e-4, abs=1e-9)

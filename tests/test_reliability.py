@@ -43,7 +43,9 @@ def test_layer_count_mismatch_is_a_clear_error():
     small = tiny_model("llama", num_hidden_layers=2)
     big = tiny_model("llama", num_hidden_layers=3)
     cache = KVpopCache(small.config, budget=24, window=6, sinks=2, policy="h2o")
-    routes_big = KVpopCache(big.config, budget=24, window=6, sinks=2, policy="h2o")  # routes big's attention while it lives
+    routes_big = KVpopCache(
+        big.config, budget=24, window=6, sinks=2, policy="h2o"
+    )  # routes big's attention while it lives
     with pytest.raises(ValueError, match="2 layers.*layer 2"), torch.no_grad():
         big(_ids(30), **cache_kwargs(cache))
     del routes_big
@@ -79,7 +81,9 @@ def test_use_cache_false_with_a_kvpop_cache_is_refused(arch):
     model = tiny_model(arch)
     cache = KVpopCache(model.config, budget=24, window=6, sinks=2, policy="h2o")
     with pytest.raises(ValueError, match="use_cache=False"):
-        model.generate(_ids(30), **cache_kwargs(cache), use_cache=False, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        model.generate(
+            _ids(30), **cache_kwargs(cache), use_cache=False, max_new_tokens=3, do_sample=False, pad_token_id=0
+        )
     assert cache.get_seq_length() == 0  # refused before anything was inserted
     with pytest.raises(ValueError, match="use_cache=False"), torch.no_grad():
         model(_ids(30), **cache_kwargs(cache), use_cache=False)
@@ -196,7 +200,9 @@ def test_two_threads_compiling_at_once_keep_compilation_on(monkeypatch):
             with warnings.catch_warnings():
                 warnings.simplefilter("error", RuntimeWarning)  # a failed compile warns: make it an error
                 with torch.no_grad():
-                    results[i] = torch.cat([models[i](ids[:, j : j + 1], **cache_kwargs(caches[i])).logits for j in range(30, 34)], 1)
+                    results[i] = torch.cat(
+                        [models[i](ids[:, j : j + 1], **cache_kwargs(caches[i])).logits for j in range(30, 34)], 1
+                    )
         except Exception as exc:  # noqa: BLE001 (reported below)
             errors.append(exc)
 
@@ -388,14 +394,25 @@ def test_evaluation_domains_come_from_the_evaluated_scorer(tmp_path):
     from kvpop.testing import tiny_tokenizer
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    path = save_scorer(build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16)),
-                       tmp_path / "mine.safetensors",
-                       {"fingerprint": model_fingerprint(model), "corpora": ["python_code"]})  # fmt: skip
+    path = save_scorer(
+        build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16)),
+        tmp_path / "mine.safetensors",
+        {"fingerprint": model_fingerprint(model), "corpora": ["python_code"]},
+    )
     fixtures = Path(__file__).parent / "fixtures" / "corpora"
     roots = {name: fixtures / name for name in ("paul_graham", "python_code")}
-    cfg = EvalConfig(tasks=("lm",), policies=("dense", "kvpop-mlp"), compressions=(0.5,), reference_length=64,
-                     docs=1, doc_tokens=64, corpora=tuple(roots), corpus_root=roots, bootstrap=50,
-                     policy_kwargs={"kvpop-mlp": {"path": str(path)}})  # fmt: skip
+    cfg = EvalConfig(
+        tasks=("lm",),
+        policies=("dense", "kvpop-mlp"),
+        compressions=(0.5,),
+        reference_length=64,
+        docs=1,
+        doc_tokens=64,
+        corpora=tuple(roots),
+        corpus_root=roots,
+        bootstrap=50,
+        policy_kwargs={"kvpop-mlp": {"path": str(path)}},
+    )
     res = run_eval(model, tok, cfg, progress=False, plots=False)
     domains = {r["source"]: r["domain"] for r in res["units"]}
     assert domains == {"python_code": "in_domain", "paul_graham": "out_of_domain"}
@@ -421,18 +438,24 @@ def _no_model_load(monkeypatch):
     monkeypatch.setattr(kvpop.models, "load_model", refuse)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--prompt", "hi", "--budget", "0"], "--budget must be a positive int"),
-    (["--prompt", "hi", "--budget", "64", "--window", "0"], "--window must be a positive int"),
-    (["--prompt", "hi", "--budget", "64", "--lam", "nan"], "--lam must be a finite number"),
-    (["--prompt", "hi", "--budget", "64", "--lam", "-1"], "--lam must be >= 0"),
-    (["--prompt", "hi", "--budget", "64", "--sinks", "-2"], "--sinks must be an int >= 0"),
-    (["--prompt", "hi", "--budget", "8", "--window", "8"], "budget=8 is smaller than sinks + window"),
-    (["--prompt", "hi", "--compression", "1.5"], "--compression must be in (0, 1)"),
-    (["--prompt", "hi", "--compression", "0.5", "--reference-length", "0"], "--reference-length must be a positive int"),
-    (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be a positive int"),
-    (["--prompt", ""], "--prompt is empty"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--prompt", "hi", "--budget", "0"], "--budget must be a positive int"),
+        (["--prompt", "hi", "--budget", "64", "--window", "0"], "--window must be a positive int"),
+        (["--prompt", "hi", "--budget", "64", "--lam", "nan"], "--lam must be a finite number"),
+        (["--prompt", "hi", "--budget", "64", "--lam", "-1"], "--lam must be >= 0"),
+        (["--prompt", "hi", "--budget", "64", "--sinks", "-2"], "--sinks must be an int >= 0"),
+        (["--prompt", "hi", "--budget", "8", "--window", "8"], "budget=8 is smaller than sinks + window"),
+        (["--prompt", "hi", "--compression", "1.5"], "--compression must be in (0, 1)"),
+        (
+            ["--prompt", "hi", "--compression", "0.5", "--reference-length", "0"],
+            "--reference-length must be a positive int",
+        ),
+        (["--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be a positive int"),
+        (["--prompt", ""], "--prompt is empty"),
+    ],
+)
 def test_generate_cli_refuses_bad_arguments_before_loading(argv, needle, monkeypatch, capsys):
     from kvpop.cli import main
 
@@ -490,10 +513,15 @@ def test_a_budget_beyond_the_models_positions_is_refused():
     KVpopCache(cfg, budget=128, policy="h2o")
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--lr", "nan"], "lr"), (["--hidden", "0"], "hidden"), (["--dk", "0"], "dk"),
-    (["--docs-from", "/no/such/folder"], "docs_from"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--lr", "nan"], "lr"),
+        (["--hidden", "0"], "hidden"),
+        (["--dk", "0"], "dk"),
+        (["--docs-from", "/no/such/folder"], "docs_from"),
+    ],
+)
 def test_train_cli_refuses_bad_arguments_before_loading(tmp_path, extra, needle, monkeypatch, capsys):
     from kvpop.train import main
 
@@ -579,7 +607,11 @@ def test_assisted_decoding_and_prompt_lookup_are_refused(feature):
     model = tiny_model("llama")
     ids = _ids(40)
     ids = torch.cat([ids, ids[:, :20]], 1)  # repeats, so prompt lookup has drafts to propose
-    kw = {"prompt_lookup_num_tokens": 3} if feature == "prompt_lookup" else {"assistant_model": tiny_model("llama", seed=1)}
+    kw = (
+        {"prompt_lookup_num_tokens": 3}
+        if feature == "prompt_lookup"
+        else {"assistant_model": tiny_model("llama", seed=1)}
+    )
     cache = KVpopCache(model.config, budget=24, window=6, sinks=2, policy="h2o")
     assert not cache.is_croppable
     # transformers >= 5.20 refuses a non-croppable cache after the prompt's forward; 5.19 (vLLM's pin)

@@ -27,8 +27,25 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 def docs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("docs")
     rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "into", "green", "hills",
-             "and", "old", "trees"]  # fmt: skip
+    words = [
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "a",
+        "mat",
+        "while",
+        "dogs",
+        "ran",
+        "far",
+        "away",
+        "into",
+        "green",
+        "hills",
+        "and",
+        "old",
+        "trees",
+    ]
     for i in range(30):
         (folder / f"d{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
     return folder
@@ -42,18 +59,59 @@ def model_dir(tmp_path_factory):
 
 
 def _cfg(out, docs, **kw) -> TrainConfig:
-    base = {"out": str(out), "docs_from": str(docs), "seq_len": 64, "budgets": (24,), "window": 8, "sinks": 2,
-            "steps": 6, "val_every": 3, "ckpt_every": 2, "val_docs": 0, "progress": False, "lr": 1e-2,
-            "observed": (None, 4, 1), "scorer": "mlp"}  # fmt: skip
+    base = {
+        "out": str(out),
+        "docs_from": str(docs),
+        "seq_len": 64,
+        "budgets": (24,),
+        "window": 8,
+        "sinks": 2,
+        "steps": 6,
+        "val_every": 3,
+        "ckpt_every": 2,
+        "val_docs": 0,
+        "progress": False,
+        "lr": 1e-2,
+        "observed": (None, 4, 1),
+        "scorer": "mlp",
+    }
     base.update(kw)
     return TrainConfig(**base)
 
 
 def _argv(out, docs, model_dir) -> list[str]:
     """``kvpop train`` arguments of the run ``_cfg(out, docs, steps=2)`` describes, on the saved tiny model."""
-    return ["--kind", "mlp", "--out", str(out), "--model", str(model_dir), "--docs-from", str(docs), "--seq-len", "64",
-            "--budget", "24", "--window", "8", "--sinks", "2", "--observed", "all,4,1", "--steps", "2",
-            "--ckpt-every", "1", "--val-every", "2", "--val-docs", "0", "--lr", "0.01", "--no-progress"]  # fmt: skip
+    return [
+        "--kind",
+        "mlp",
+        "--out",
+        str(out),
+        "--model",
+        str(model_dir),
+        "--docs-from",
+        str(docs),
+        "--seq-len",
+        "64",
+        "--budget",
+        "24",
+        "--window",
+        "8",
+        "--sinks",
+        "2",
+        "--observed",
+        "all,4,1",
+        "--steps",
+        "2",
+        "--ckpt-every",
+        "1",
+        "--val-every",
+        "2",
+        "--val-docs",
+        "0",
+        "--lr",
+        "0.01",
+        "--no-progress",
+    ]
 
 
 def _one_error_line(capsys) -> str:
@@ -94,8 +152,19 @@ def test_a_state_holding_pickled_objects_is_refused_without_running_it(tmp_path,
     assert str(out / "train_state.pt") in line and "cannot be loaded safely" in line and "new --out" in line
     assert not marker.exists()
     with pytest.raises(ValueError, match="cannot be loaded safely"):  # kvpop adapt reads it the same way
-        adapt(AdaptConfig(out=str(out), docs_from=str(docs), seq_len=64, budgets=(24,), sinks=2, mask="streaming",
-                          steps=2, val_docs=0, progress=False))  # fmt: skip
+        adapt(
+            AdaptConfig(
+                out=str(out),
+                docs_from=str(docs),
+                seq_len=64,
+                budgets=(24,),
+                sinks=2,
+                mask="streaming",
+                steps=2,
+                val_docs=0,
+                progress=False,
+            )
+        )
     assert not marker.exists()
 
 
@@ -106,8 +175,14 @@ def test_the_state_holds_only_tensors_and_plain_values(tmp_path):
         n: np.int64
 
     sd = torch.nn.Linear(2, 2).state_dict()
-    state = {"a": np.float64(0.5), "b": (np.arange(3), Path("x/y")), "c": Part(Path("p"), np.int64(3)),
-             "w": torch.nn.Parameter(torch.ones(2)), "sd": sd, 0: [None, True, float("-inf")]}  # fmt: skip
+    state = {
+        "a": np.float64(0.5),
+        "b": (np.arange(3), Path("x/y")),
+        "c": Part(Path("p"), np.int64(3)),
+        "w": torch.nn.Parameter(torch.ones(2)),
+        "sd": sd,
+        0: [None, True, float("-inf")],
+    }
     got = plain(state)
     assert type(got["a"]) is float and got["b"][1] == "x/y" and got["c"] == {"where": "p", "n": 3}
     assert type(got["w"]) is torch.Tensor and torch.equal(got["b"][0], torch.arange(3))
@@ -178,8 +253,9 @@ def test_a_store_run_equals_a_run_over_the_filled_store_and_a_resumed_one(tmp_pa
 # --- a run resumes on the model and scorer it started with, by content ---------------------------------
 
 
-def test_train_resumes_on_the_same_weights_from_another_folder_and_not_on_other_weights(tmp_path, docs, model_dir,
-                                                                                        capsys):  # fmt: skip
+def test_train_resumes_on_the_same_weights_from_another_folder_and_not_on_other_weights(
+    tmp_path, docs, model_dir, capsys
+):
     out = tmp_path / "run"
     argv = _argv(out, docs, model_dir)
     assert main([*argv, "--stop-after", "1"]) == 0
@@ -199,15 +275,28 @@ def scorer_path(tmp_path_factory, docs):
     model = tiny_model("llama")
     tcfg = TrainConfig(docs_from=str(docs), seq_len=64, budgets=(24,), window=8, sinks=2, observed=(None, 4, 1))
     path = tmp_path_factory.mktemp("scorer") / "scorer.safetensors"
-    save_scorer(build_run_scorer(tcfg, model), path, {"fingerprint": model_fingerprint(model),
-                                                      "trained_for": trained_for(tcfg)})  # fmt: skip
+    save_scorer(
+        build_run_scorer(tcfg, model), path, {"fingerprint": model_fingerprint(model), "trained_for": trained_for(tcfg)}
+    )
     return path
 
 
 def _adapt_cfg(out, docs, scorer, **kw) -> AdaptConfig:
-    base = {"out": str(out), "docs_from": str(docs), "seq_len": 64, "budgets": (24,), "sinks": 2, "steps": 3,
-            "val_every": 2, "ckpt_every": 1, "val_docs": 0, "progress": False, "lr": 1e-2, "lora_r": 4,
-            "scorer": str(scorer)}  # fmt: skip
+    base = {
+        "out": str(out),
+        "docs_from": str(docs),
+        "seq_len": 64,
+        "budgets": (24,),
+        "sinks": 2,
+        "steps": 3,
+        "val_every": 2,
+        "ckpt_every": 1,
+        "val_docs": 0,
+        "progress": False,
+        "lr": 1e-2,
+        "lora_r": 4,
+        "scorer": str(scorer),
+    }
     base.update(kw)
     return AdaptConfig(**base)
 
@@ -220,10 +309,12 @@ def test_adapt_resumes_only_on_the_scorer_file_and_model_it_started_with(tmp_pat
     adapt(_adapt_cfg(out, docs, scorer, stop_after=1), tiny_model("llama"), tok)
     # the same path, other bytes (another scorer of the same shape, trained for the same settings)
     model = tiny_model("llama")
-    tcfg = TrainConfig(docs_from=str(docs), seq_len=64, budgets=(24,), window=8, sinks=2, observed=(None, 4, 1),
-                       seed=1)  # fmt: skip
-    save_scorer(build_run_scorer(tcfg, model), scorer, {"fingerprint": model_fingerprint(model),
-                                                        "trained_for": trained_for(tcfg)})  # fmt: skip
+    tcfg = TrainConfig(docs_from=str(docs), seq_len=64, budgets=(24,), window=8, sinks=2, observed=(None, 4, 1), seed=1)
+    save_scorer(
+        build_run_scorer(tcfg, model),
+        scorer,
+        {"fingerprint": model_fingerprint(model), "trained_for": trained_for(tcfg)},
+    )
     with pytest.raises(ValueError, match=rf"started from another scorer: {scorer} is not the file it started with"):
         adapt(_adapt_cfg(out, docs, scorer), tiny_model("llama"), tok)
     # the same bytes at another path: it resumes, and only on the model it started with

@@ -25,8 +25,15 @@ def test_unrotate_inverts_the_models_rope(arch):
 
 
 def test_unrotate_with_scaled_rope():
-    model = tiny_model("llama", rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                                 "original_max_position_embeddings": 64})
+    model = tiny_model(
+        "llama",
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     spec = RopeSpec.from_config(model.config)
     assert spec.scaling != 1.0
     k = torch.randn(1, model.config.num_key_value_heads, 9, model.config.head_dim)

@@ -67,8 +67,12 @@ def test_decide_one_agrees_with_pairwise(data, k, b, h):
     lr_idx = torch.full((b, h, k), -1, dtype=torch.long)
     lr_prio = torch.full((b, h, k), float("-inf"))
     lr_idx[..., :fill] = torch.arange(fill)
-    lr_prio[..., :fill] = torch.tensor(data.draw(st.lists(st.integers(-2, 2), min_size=fill, max_size=fill)), dtype=torch.float32)
-    ex_prio = torch.tensor(data.draw(st.lists(st.integers(-2, 2), min_size=b * h, max_size=b * h)), dtype=torch.float32).view(b, h)
+    lr_prio[..., :fill] = torch.tensor(
+        data.draw(st.lists(st.integers(-2, 2), min_size=fill, max_size=fill)), dtype=torch.float32
+    )
+    ex_prio = torch.tensor(
+        data.draw(st.lists(st.integers(-2, 2), min_size=b * h, max_size=b * h)), dtype=torch.float32
+    ).view(b, h)
     ex_idx = torch.full((b, h), 100)
     slot, accept = decide_one(lr_prio, lr_idx, ex_prio, ex_idx)
     lr_leave, ex_leave = decide_chunk_pairwise(lr_prio, lr_idx, ex_prio.unsqueeze(-1), ex_idx.unsqueeze(-1), 5)

@@ -27,8 +27,25 @@ def old_runs(tmp_path, monkeypatch):
     docs = tmp_path / "docs"
     docs.mkdir()
     rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "into", "green", "hills",
-             "and", "old", "trees"]  # fmt: skip
+    words = [
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "a",
+        "mat",
+        "while",
+        "dogs",
+        "ran",
+        "far",
+        "away",
+        "into",
+        "green",
+        "hills",
+        "and",
+        "old",
+        "trees",
+    ]
     for i in range(30):
         (docs / f"d{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
     for name in ("train", "adapt"):
@@ -48,8 +65,9 @@ def _same_history(got: list[dict], want: list[dict], key: str) -> None:
         assert g["lr"] == pytest.approx(w["lr"], rel=1e-12)
 
 
-@pytest.mark.parametrize("name,config,run,key", [("train", TrainConfig, train, "loss"),
-                                                 ("adapt", AdaptConfig, adapt, "kl")])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,config,run,key", [("train", TrainConfig, train, "loss"), ("adapt", AdaptConfig, adapt, "kl")]
+)
 def test_a_run_from_before_the_shared_loop_resumes(old_runs, name, config, run, key):
     folder, expected = old_runs
     state = folder / name / "train_state.pt"
@@ -129,8 +147,10 @@ def test_loop_validates_keeps_the_best_checkpoints_and_stops(tmp_path):
 
 
 def test_resume_check_lists_every_differing_setting(tmp_path):
-    assert resume_mismatch({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == ["b: checkpoint 2 vs now 3",
-                                                                       "c: checkpoint None vs now 4"]
+    assert resume_mismatch({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 4}) == [
+        "b: checkpoint 2 vs now 3",
+        "c: checkpoint None vs now 4",
+    ]
     run = Run("train", _Cfg(5, 1, 1), tmp_path)
     torch.save({"resume": {"steps": 4}}, tmp_path / "train_state.pt")
     with pytest.raises(ValueError, match="other settings.*steps: checkpoint 4 vs now 5"):

@@ -33,7 +33,7 @@ def _mlstm(dtype=torch.float64, stress=False, **kw):
     if stress:  # widely varying gates: exercises the stabiliser
         with torch.no_grad():
             o = mod._o_gate
-            mod.w_proj[:, :, o:o + 2].mul_(60.0)
+            mod.w_proj[:, :, o : o + 2].mul_(60.0)
             mod.b_proj[:, o + 1].sub_(2.0)
     return mod
 
@@ -45,10 +45,10 @@ def _recurrent(mod, k, v, window, mask=None):
     st = mod.init_state(b)
     out = torch.full((b, H, T), float("nan"), dtype=mod.w_proj.dtype)
     for q in range(T):
-        st = mod.step(st, k[:, :, q:q + 1], v[:, :, q:q + 1], None if mask is None else mask[:, q:q + 1])
+        st = mod.step(st, k[:, :, q : q + 1], v[:, :, q : q + 1], None if mask is None else mask[:, q : q + 1])
         t = q - window
         if t >= 0:
-            out[:, :, t] = mod.read(st, k[:, :, t:t + 1], v[:, :, t:t + 1])[:, :, 0]
+            out[:, :, t] = mod.read(st, k[:, :, t : t + 1], v[:, :, t : t + 1])[:, :, 0]
     lo = max(T - window, 0)
     if lo < T:
         out[:, :, lo:] = mod.read(st, k[:, :, lo:], v[:, :, lo:])
@@ -147,8 +147,9 @@ def test_mlp_raw_inputs():
 
 
 # -------------------------------------------------------------------- mLSTM parity
-@pytest.mark.parametrize("T,window,chunk", [(1, 0, 4), (6, 0, 4), (13, 3, 4), (17, 5, 7), (20, 25, 8),
-                                            (32, 8, 16), (33, 1, 5)])
+@pytest.mark.parametrize(
+    "T,window,chunk", [(1, 0, 4), (6, 0, 4), (13, 3, 4), (17, 5, 7), (20, 25, 8), (32, 8, 16), (33, 1, 5)]
+)
 def test_mlstm_parity_float64(T, window, chunk):
     mod = _mlstm(stress=True)
     k, v = _kv(T, seed=T)
@@ -160,8 +161,9 @@ def test_mlstm_parity_float64(T, window, chunk):
         assert _rel(a.C, b.C) < 1e-11 and _rel(a.n, b.n) < 1e-11 and (a.m - b.m).abs().max() < 1e-11
 
 
-@pytest.mark.parametrize("kw", [{}, {"h_norm": False}, {"read_mlp": False, "input_norm": False},
-                                {"forget_gate": "exp"}])
+@pytest.mark.parametrize(
+    "kw", [{}, {"h_norm": False}, {"read_mlp": False, "input_norm": False}, {"forget_gate": "exp"}]
+)
 @pytest.mark.parametrize("T,window", [(24, 0), (40, 16)])
 @pytest.mark.parametrize("stress", [False, True])
 def test_mlstm_parity_float32(kw, T, window, stress):
@@ -198,18 +200,20 @@ def test_mlstm_multi_token_step_and_read_steps():
     # read_steps (token t exits right after new token t + w - P)
     P = 8
     s1, st = mod(k[:, :, :P], v[:, :, :P], w, return_state=True)
-    torch.testing.assert_close(s1[:, :, :P - w], ref[:, :, :P - w], rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(s1[:, :, : P - w], ref[:, :, : P - w], rtol=1e-11, atol=1e-11)
     reads = torch.arange(P - w, T - w)
-    st, s2 = mod.step_and_read(st, k[:, :, P:], v[:, :, P:], k[:, :, reads], v[:, :, reads],
-                               read_steps=reads + w - P)
-    torch.testing.assert_close(s2, ref[:, :, P - w:T - w], rtol=1e-11, atol=1e-11)
+    st, s2 = mod.step_and_read(st, k[:, :, P:], v[:, :, P:], k[:, :, reads], v[:, :, reads], read_steps=reads + w - P)
+    torch.testing.assert_close(s2, ref[:, :, P - w : T - w], rtol=1e-11, atol=1e-11)
     # read_steps = -1 reads the state before the new tokens; per-batch read steps
     st0 = mod.step(mod.init_state(B), k[:, :, :5], v[:, :, :5])
-    _, s3 = mod.step_and_read(st0, k[:, :, 5:9], v[:, :, 5:9], k[:, :, :2], v[:, :, :2],
-                              read_steps=torch.tensor([[-1, 2], [3, 0]]))
+    _, s3 = mod.step_and_read(
+        st0, k[:, :, 5:9], v[:, :, 5:9], k[:, :, :2], v[:, :, :2], read_steps=torch.tensor([[-1, 2], [3, 0]])
+    )
+
     def read_after(j, row, tok):  # read token `tok` after new tokens 5..5+j
-        st = mod.step(st0, k[:, :, 5:6 + j], v[:, :, 5:6 + j]) if j >= 0 else st0
-        return mod.read(st, k[:, :, tok:tok + 1], v[:, :, tok:tok + 1])[row, :, 0]
+        st = mod.step(st0, k[:, :, 5 : 6 + j], v[:, :, 5 : 6 + j]) if j >= 0 else st0
+        return mod.read(st, k[:, :, tok : tok + 1], v[:, :, tok : tok + 1])[row, :, 0]
+
     for row, steps in enumerate([[-1, 2], [3, 0]]):
         for tok, j in enumerate(steps):
             torch.testing.assert_close(s3[row, :, tok], read_after(j, row, tok), rtol=1e-11, atol=1e-11)
@@ -229,8 +233,10 @@ def test_readout_and_score_head_equal_in_the_training_and_the_decode_form(h_norm
     head = {"h_norm": h_norm, "read_mlp": read_mlp, "eps": mod.eps}
     many = score_head(mlstm_read(st, qq), u, mod.w_out, mod.b_out, **head)
     assert many.shape == (B, H, 5) and torch.equal(many, mod.read(st, k[:, :, 7:], v[:, :, 7:]))
-    one = [score_head(mlstm_read(st, qq[:, :, j], nonempty=True), u[:, :, j], mod.w_out, mod.b_out, **head)
-           for j in range(5)]  # fmt: skip
+    one = [
+        score_head(mlstm_read(st, qq[:, :, j], nonempty=True), u[:, :, j], mod.w_out, mod.b_out, **head)
+        for j in range(5)
+    ]
     torch.testing.assert_close(torch.stack(one, 2), many, rtol=1e-12, atol=1e-12)
     empty = mod.init_state(B)  # an empty state reads h = 0 in both forms
     assert not mlstm_read(empty, qq).any() and not mlstm_read(empty, qq[:, :, 0]).any()
@@ -259,7 +265,7 @@ def test_masked_step_leaves_state_unchanged(dtype):
     for s0 in (empty, st):
         for n in (1, 3):
             m = torch.zeros(B, n, dtype=torch.bool)
-            s1 = mod.step(s0, k[:, :, 3:3 + n], v[:, :, 3:3 + n], mask=m)
+            s1 = mod.step(s0, k[:, :, 3 : 3 + n], v[:, :, 3 : 3 + n], mask=m)
             for a, b in zip(s1, s0):
                 assert torch.equal(a, b)
         s2, _ = mod.step_and_read(s0, k[:, :, 3:4], v[:, :, 3:4], k[:, :, :1], v[:, :, :1], mask=none)
@@ -287,7 +293,7 @@ def test_mlstm_left_padding_parity(dtype, tol):
     ch, stc = mod(k, v, w, mask=mask, chunk_size=4, return_state=True)
     par = mod(k, v, w, mask=mask, mode="parallel", query_block=6)
     for r, p in enumerate(pads):
-        alone = mod(k[r:r + 1, :, p:], v[r:r + 1, :, p:], w, chunk_size=4)[0]
+        alone = mod(k[r : r + 1, :, p:], v[r : r + 1, :, p:], w, chunk_size=4)[0]
         assert _rel(ref[r, :, p:], alone) < tol
         assert _rel(ch[r, :, p:], alone) < tol
         assert _rel(par[r, :, p:], alone) < tol

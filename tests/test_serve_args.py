@@ -74,8 +74,11 @@ def test_listens_on_localhost_unless_host_is_given():
 
 def test_prepare_a_folder_without_vllm(tmp_path):
     save_tiny_model(tmp_path / "m")
-    plan = prepare([str(tmp_path / "m"), "--budget", "16", "--policy", "streaming", "--max-model-len", "64"],
-                   progress=False, need_vllm=False)  # fmt: skip
+    plan = prepare(
+        [str(tmp_path / "m"), "--budget", "16", "--policy", "streaming", "--max-model-len", "64"],
+        progress=False,
+        need_vllm=False,
+    )
     assert plan.model == tmp_path / "m" and plan.settings == {"budget": 16, "policy": "streaming"}
     assert _address(plan.vllm_argv) == ("127.0.0.1", "8000") and "--max-model-len" in plan.vllm_argv
     with pytest.raises(ServeError, match="budget"):  # the plugin's own check, before vLLM
@@ -84,10 +87,12 @@ def test_prepare_a_folder_without_vllm(tmp_path):
 
 @pytest.mark.parametrize(
     "argv, words",
-    [(["--budget", "64", "--additional-config", "{}"], ["--additional-config"]),
-     (["--budget", "64", "--port", "0"], ["--port"]),
-     (["m", "--base-model"], ["--base-model"])],
-)  # fmt: skip
+    [
+        (["--budget", "64", "--additional-config", "{}"], ["--additional-config"]),
+        (["--budget", "64", "--port", "0"], ["--port"]),
+        (["m", "--base-model"], ["--base-model"]),
+    ],
+)
 def test_bad_options_are_refused(argv, words):
     with pytest.raises(ServeError) as err:
         parse_args(argv)

@@ -33,8 +33,9 @@ def linked_cache(cache, monkeypatch):
 
 @torch.no_grad()
 def _greedy(model, ids, cache):
-    out = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                         **cache_kwargs(cache))  # fmt: skip
+    out = model.generate(
+        ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, **cache_kwargs(cache)
+    )
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -47,8 +48,9 @@ def test_served_default_folder_equals_the_adapted_model(tmp_path, monkeypatch):
     assert plan.settings["scorer"] == str(plan.model / "kvpop" / "scorer.safetensors")
     assert [p.name for p in plan.model.glob("*.safetensors")] == ["model.safetensors"]  # vLLM reads these as weights
     name = "model.layers.3.mlp.down_proj.weight"  # the LoRA is in the weights
-    assert not torch.equal(read_tensors(plan.model / "model.safetensors")[name],
-                           read_tensors(converted / "model.safetensors")[name])  # fmt: skip
+    assert not torch.equal(
+        read_tensors(plan.model / "model.safetensors")[name], read_tensors(converted / "model.safetensors")[name]
+    )
     assert prepare(["--budget", str(BUDGET)], progress=False, need_vllm=False).model == plan.model  # written once
 
     served, tok = kvpop.load_model(plan.model, progress=False)

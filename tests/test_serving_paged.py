@@ -52,8 +52,9 @@ class Engine:
         self.layouts = [PageLayout(layer, h, d, d, torch.float32) for layer in self.cache.layers]
         g = torch.Generator().manual_seed(seed)
         # garbage everywhere: a fresh request must never read its page
-        self.pools = [torch.randint(0, 256, (pages, lay.page_bytes), dtype=torch.uint8, generator=g)
-                      for lay in self.layouts]  # fmt: skip
+        self.pools = [
+            torch.randint(0, 256, (pages, lay.page_bytes), dtype=torch.uint8, generator=g) for lay in self.layouts
+        ]
         self.groups = []
 
     @torch.no_grad()
@@ -84,8 +85,9 @@ class Engine:
 
 def _policy(name, model):
     if name.startswith("kvpop"):
-        return random_learned_policy(model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith(("+", "x")),
-                                     cross_heads=name.endswith("x"))
+        return random_learned_policy(
+            model, "mlp" if "mlp" in name else "mlstm", extra=name.endswith(("+", "x")), cross_heads=name.endswith("x")
+        )
     return get_policy(name)
 
 
@@ -176,8 +178,12 @@ def test_page_layout_round_trip_and_sizes():
     layout.write(pool, pages, buf, None)
     got, before = layout.gather(pool, pages, torch.tensor([17, 17]))
     n = eviction.budget
-    assert torch.equal(got.keys[:, :, :n], buf.keys[:, :, :n]) and torch.equal(got.values[:, :, :n], buf.values[:, :, :n])
-    assert torch.equal(got.slot_index[:, :, :n], buf.slot_index[:, :, :n]) and torch.equal(before.long(), buf.slot_index[:, :, :n])
+    assert torch.equal(got.keys[:, :, :n], buf.keys[:, :, :n]) and torch.equal(
+        got.values[:, :, :n], buf.values[:, :, :n]
+    )
+    assert torch.equal(got.slot_index[:, :, :n], buf.slot_index[:, :, :n]) and torch.equal(
+        before.long(), buf.slot_index[:, :, :n]
+    )
     assert torch.equal(got.lr_prio[:, :, :6], buf.lr_prio[:, :, :6])
     for a, b in zip(got.policy_state, buf.policy_state):
         assert torch.equal(a, b)

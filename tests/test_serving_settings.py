@@ -34,11 +34,14 @@ def test_bad_settings_name_the_key(raw, words):
 
 @pytest.mark.parametrize(
     "raw, word",
-    [({"budget": 0}, "budget"), ({"budget": 16, "window": 20, "policy": "streaming"}, "window"),
-     ({"policy": "h2o"}, "budget"),
-     ({"budget": 64, "policy": "kvpop", "scorer": "/nonexistent/s.safetensors"}, "s.safetensors"),
-     ({"budget": 64}, "no shipped mlp scorer fits this model")],  # the default policy, on a model without a scorer
-)  # fmt: skip
+    [
+        ({"budget": 0}, "budget"),
+        ({"budget": 16, "window": 20, "policy": "streaming"}, "window"),
+        ({"policy": "h2o"}, "budget"),
+        ({"budget": 64, "policy": "kvpop", "scorer": "/nonexistent/s.safetensors"}, "s.safetensors"),
+        ({"budget": 64}, "no shipped mlp scorer fits this model"),
+    ],  # the default policy, on a model without a scorer
+)
 def test_budget_errors_from_the_cache_name_the_config(raw, word):
     settings = ServeSettings.from_additional_config({"kvpop": raw})
     with pytest.raises(SettingsError, match=r"additional_config\['kvpop'\]") as err:
@@ -49,8 +52,12 @@ def test_budget_errors_from_the_cache_name_the_config(raw, word):
 def test_build_cache_is_kvpop_cache_and_leaves_the_config_alone():
     cfg = tiny_config()
     before = cfg._attn_implementation
-    for raw in ({"budget": 64, "policy": "h2o"}, {"budget": 64, "policy": "streaming", "sinks": 2},
-                {"k": 10, "window": 8, "policy": "knorm", "lam": 0.5}, {"budget": 64, "policy": "random", "seed": 3}):  # fmt: skip
+    for raw in (
+        {"budget": 64, "policy": "h2o"},
+        {"budget": 64, "policy": "streaming", "sinks": 2},
+        {"k": 10, "window": 8, "policy": "knorm", "lam": 0.5},
+        {"budget": 64, "policy": "random", "seed": 3},
+    ):
         settings = ServeSettings.from_additional_config({"kvpop": raw})
         cache = settings.build_cache(cfg)
         kw = {k: v for k, v in raw.items() if k not in ("policy", "seed")}
@@ -69,7 +76,10 @@ def _engine_config(**over):
         speculative_config=None,
         cache_config=NS(cache_dtype="auto", enable_prefix_caching=False),
         parallel_config=NS(
-            tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            decode_context_parallel_size=1,
+            prefill_context_parallel_size=1,
         ),
         kv_transfer_config=None,
         lora_config=None,
@@ -85,9 +95,15 @@ def test_engine_options_kvpop_cannot_serve_are_refused_together():
 
     settings = ServeSettings.from_additional_config({"kvpop": {"budget": 32, "policy": "h2o"}})
     check_engine(_engine_config(), settings)  # plain: fine
-    bad = _engine_config(**{"speculative_config": object(), "cache_config.cache_dtype": "fp8",
-                            "parallel_config.tensor_parallel_size": 2, "lora_config": object(),
-                            "kv_transfer_config": object()})  # fmt: skip
+    bad = _engine_config(
+        **{
+            "speculative_config": object(),
+            "cache_config.cache_dtype": "fp8",
+            "parallel_config.tensor_parallel_size": 2,
+            "lora_config": object(),
+            "kv_transfer_config": object(),
+        }
+    )
     with pytest.raises(SettingsError) as err:
         check_engine(bad, settings)
     msg = str(err.value)

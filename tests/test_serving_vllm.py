@@ -35,13 +35,20 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.integration,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install kvpop[vllm])"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install kvpop[vllm])"
+    ),
 ]
 
 HELPER = Path(__file__).with_name("vllm_run.py")
 BUDGET, NEW_TOKENS = 128, 64
 LENGTHS = ((0, 210), (400, 700), (900, 1310))  # token ranges of the test text: prompts of 210, 300, 410 > B
-ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +75,14 @@ def _vllm(real, engine: dict, batches, tmp_path_factory, max_tokens=NEW_TOKENS) 
         d = tmp_path_factory.mktemp("vllm")
         spec = {"model": folder, "prompts": prompts, "batches": batches, "max_tokens": max_tokens, "engine": engine}
         (d / "spec.json").write_text(json.dumps(spec))
-        r = subprocess.run([sys.executable, str(HELPER), str(d / "spec.json"), str(d / "out.json")],
-                           env={**os.environ, **ENV}, capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, str(HELPER), str(d / "spec.json"), str(d / "out.json")],
+            env={**os.environ, **ENV},
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
         if r.returncode != 0:
             pytest.fail(f"vLLM run failed ({r.returncode}):\n{r.stderr[-4000:]}")
         _RUNS[key] = json.loads((d / "out.json").read_text())
@@ -79,8 +92,12 @@ def _vllm(real, engine: dict, batches, tmp_path_factory, max_tokens=NEW_TOKENS) 
 def _kvpop_engine(policy, budget=BUDGET, **kw):
     # a small token budget per step: prefill chunks that do not end on the prefill chunk's multiples,
     # and prefill chunks of some requests in the same steps as decode tokens of others
-    return {"max_model_len": 1024, "max_num_batched_tokens": 256,
-            "additional_config": {"kvpop": {"budget": budget, "policy": policy}}, **kw}  # fmt: skip
+    return {
+        "max_model_len": 1024,
+        "max_num_batched_tokens": 256,
+        "additional_config": {"kvpop": {"budget": budget, "policy": policy}},
+        **kw,
+    }
 
 
 _REFS: dict = {}
@@ -92,8 +109,13 @@ def _reference(model, prompt, policy=None, budget=BUDGET):
     key = (tuple(prompt), policy, budget)
     if key not in _REFS:
         cache = None if policy is None else kvpop.make_cache(model, policy, budget=budget)
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, past_key_values=cache)  # fmt: skip
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            past_key_values=cache,
+        )
         _REFS[key] = out[0, len(prompt) :].tolist()
     return _REFS[key]
 
@@ -137,14 +159,24 @@ def test_vllm_plugin_with_budget_beyond_length_equals_vllm_dense(real, tmp_path_
 
 def test_vllm_refuses_bad_settings_before_the_engine_starts(real):
     folder = real[0]
-    cases = [({"budget": 0}, "budget"), ({"budget": 64, "policy": "oracle"}, "policy"),
-             ({"budget": 64, "windw": 8}, "windw")]  # fmt: skip
+    cases = [
+        ({"budget": 0}, "budget"),
+        ({"budget": 64, "policy": "oracle"}, "policy"),
+        ({"budget": 64, "windw": 8}, "windw"),
+    ]
     for settings, word in cases:
-        code = ("from vllm import LLM\n"
-                f"LLM(model={folder!r}, dtype='float32', additional_config={{'kvpop': {settings!r}}})")  # fmt: skip
+        code = (
+            f"from vllm import LLM\nLLM(model={folder!r}, dtype='float32', additional_config={{'kvpop': {settings!r}}})"
+        )
         t = time.perf_counter()
-        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **ENV}, capture_output=True, text=True,
-                           timeout=300, check=False)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, **ENV},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert r.returncode != 0
         # vLLM's config is a pydantic dataclass: the error arrives as its ValidationError (a ValueError)
         # whose message is kvpop's, naming the key
@@ -169,12 +201,34 @@ def test_vllm_serve_with_plugin_answers_like_the_offline_path(real, tmp_path_fac
     log = tmp_path_factory.mktemp("serve") / "server.log"
     # `kvpop serve` = `vllm serve --additional-config '{"kvpop": ...}'` (vllm-cpu 0.32.0's `vllm` script
     # fails at startup on its own version lookup; see kvpop.serving.vllm.serve)
-    cmd = [sys.executable, "-m", "kvpop.cli", "serve", folder, "--budget", str(BUDGET), "--policy", "kvpop",
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
-           "--max-num-batched-tokens", "256", "--enforce-eager", "--seed", "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpop.cli",
+        "serve",
+        folder,
+        "--budget",
+        str(BUDGET),
+        "--policy",
+        "kvpop",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--max-num-batched-tokens",
+        "256",
+        "--enforce-eager",
+        "--seed",
+        "0",
+    ]
     with open(log, "w") as f:
-        server = subprocess.Popen(cmd, env={**os.environ, **ENV}, stdout=f, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # fmt: skip
+        server = subprocess.Popen(
+            cmd, env={**os.environ, **ENV}, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=300)
         deadline = time.monotonic() + 600
@@ -190,8 +244,13 @@ def test_vllm_serve_with_plugin_answers_like_the_offline_path(real, tmp_path_fac
                 time.sleep(2)
 
         def ask(prompt):
-            r = client.completions.create(model=folder, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
-                                          extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+            r = client.completions.create(
+                model=folder,
+                prompt=prompt,
+                max_tokens=NEW_TOKENS,
+                temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
             return r.choices[0].token_ids
 
         with ThreadPoolExecutor(len(prompts)) as pool:  # the requests run concurrently in the server
@@ -231,18 +290,39 @@ def test_kvpop_serve_default_is_kvpop_generates_adapted_model(tmp_path):
     (cache / "models").mkdir(parents=True)
     (cache / "models" / converted.name).symlink_to(converted)
     port, log = _free_port(), tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "kvpop.cli", "serve", "--budget", str(budget), "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--seed", "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvpop.cli",
+        "serve",
+        "--budget",
+        str(budget),
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--seed",
+        "0",
+    ]
     with open(log, "w") as f:
-        server = subprocess.Popen(cmd, env={**os.environ, **ENV, "KVPOP_CACHE_DIR": str(cache)}, stdout=f,
-                                  stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        server = subprocess.Popen(
+            cmd,
+            env={**os.environ, **ENV, "KVPOP_CACHE_DIR": str(cache)},
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         # the reference while the server starts: `kvpop generate --budget 128` on the same prompt
         model, tok = kvpop.load_model(adapter="default", merge=True, progress=False)
         text = "\n\n".join(d.text for d in load_documents("wikipedia", "test")[:40])
         prompt = tok.decode(tok(text)["input_ids"][400:700])
-        res = kvpop.generate(model, tok, prompt, budget=budget, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             compile=False)  # fmt: skip
+        res = kvpop.generate(
+            model, tok, prompt, budget=budget, max_new_tokens=new_tokens, min_new_tokens=new_tokens, compile=False
+        )
         assert res.cache.policy.name == "kvpop-mlp" and "adapter bundle" in res.cache.policy.source
         ids = res.sequences[0, : res.prompt_tokens].tolist()
         want = res.sequences[0, res.prompt_tokens :].tolist()
@@ -253,8 +333,9 @@ def test_kvpop_serve_default_is_kvpop_generates_adapted_model(tmp_path):
         listening = {c.laddr.ip for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
         assert listening == {"127.0.0.1"}, listening
         extra = {"return_token_ids": True, "ignore_eos": True}
-        r = client.completions.create(model="smollm2-135m-instruct-kvpop", prompt=ids, max_tokens=new_tokens,
-                                      temperature=0, extra_body=extra)  # fmt: skip
+        r = client.completions.create(
+            model="smollm2-135m-instruct-kvpop", prompt=ids, max_tokens=new_tokens, temperature=0, extra_body=extra
+        )
         got = list(r.choices[0].token_ids)
         # (serving the base model, or a dense cache, would fail here: tests/test_serve_merged.py checks both)
         assert _first_difference(got, want) is None, (got, want)

@@ -263,8 +263,20 @@ def test_bench_memory_sees_an_attention_matrix_in_the_dense_pass_and_none_in_the
     from kvpop.bench.targets import _run_worker
 
     S, q_heads = 2048, 6
-    spec = {"S": S, "q_heads": q_heads, "kv_heads": 2, "dim": 16, "batch": 1, "window": 64, "dtype": "float32",
-            "repeats": 1, "block": 64, "budget_s": 10.0, "threads": 1, "mode": "memory"}  # fmt: skip
+    spec = {
+        "S": S,
+        "q_heads": q_heads,
+        "kv_heads": 2,
+        "dim": 16,
+        "batch": 1,
+        "window": 64,
+        "dtype": "float32",
+        "repeats": 1,
+        "block": 64,
+        "budget_s": 10.0,
+        "threads": 1,
+        "mode": "memory",
+    }
     matrix = S * S * q_heads * 4  # one float32 attention matrix over the query heads: 100 MB
     peak = {}
     for method in ("dense", "fused"):
@@ -277,8 +289,10 @@ def test_bench_memory_sees_an_attention_matrix_in_the_dense_pass_and_none_in_the
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("method", ["blocked", "fused"])
-@pytest.mark.parametrize("windows,S,G,block", [((3, 5, 9, 40), 120, 2, 16), ((1, 64, 91, 128), 513, 3, 100),
-                                                ((7, 200), 230, 1, 64), ((12,), 50, 2, 8)])
+@pytest.mark.parametrize(
+    "windows,S,G,block",
+    [((3, 5, 9, 40), 120, 2, 16), ((1, 64, 91, 128), 513, 3, 100), ((7, 200), 230, 1, 64), ((12,), 50, 2, 8)],
+)
 def test_several_windows_at_once_equal_one_window_at_a_time(windows, S, G, block, dtype, method):
     """The capture's fast path (one far pass + one band pass for every window) against one
     future_attention call per window, -inf pattern included (windows near S leave few keys)."""

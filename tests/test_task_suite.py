@@ -21,11 +21,19 @@ TEXT = (
 )
 FILLER = TEXT * 40
 PROBLEMS = [
-    {"task_id": "T/0", "prompt": 'def add(a, b):\n    """Sum of a and b."""\n', "entry_point": "add",
-     "test": "def check(f):\n    assert f(1, 2) == 3\n    assert f(-1, 1) == 0\n"},
-    {"task_id": "T/1", "prompt": 'def neg(a):\n    """Minus a."""\n', "entry_point": "neg",
-     "test": "def check(f):\n    assert f(1) == -1\n"},
-]  # fmt: skip
+    {
+        "task_id": "T/0",
+        "prompt": 'def add(a, b):\n    """Sum of a and b."""\n',
+        "entry_point": "add",
+        "test": "def check(f):\n    assert f(1, 2) == 3\n    assert f(-1, 1) == 0\n",
+    },
+    {
+        "task_id": "T/1",
+        "prompt": 'def neg(a):\n    """Minus a."""\n',
+        "entry_point": "neg",
+        "test": "def check(f):\n    assert f(1) == -1\n",
+    },
+]
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +128,13 @@ def test_sandbox_verdicts(tmp_path):
     early = humaneval.run_program("import sys\nsys.exit(0)\n", quick)  # exits before check(): not a pass
     assert early["returncode"] == 0 and not early["passed"]
     outside = tmp_path / "outside.txt"
-    attempts = [f"import os\nos.system('touch {outside}')\n", f"open({str(outside)!r}, 'w').write('x')\n",
-                f"import subprocess\nsubprocess.run(['touch', {str(outside)!r}])\n",
-                f"import os\nos.kill({os.getpid()}, 9)\n", f"import shutil\nshutil.rmtree({str(tmp_path)!r})\n"]
+    attempts = [
+        f"import os\nos.system('touch {outside}')\n",
+        f"open({str(outside)!r}, 'w').write('x')\n",
+        f"import subprocess\nsubprocess.run(['touch', {str(outside)!r}])\n",
+        f"import os\nos.kill({os.getpid()}, 9)\n",
+        f"import shutil\nshutil.rmtree({str(tmp_path)!r})\n",
+    ]
     for src in attempts:
         res = humaneval.run_program(src, quick)
         assert not res["passed"] and "PermissionError" in res["detail"], (src, res)
@@ -151,23 +163,40 @@ def test_humaneval_data_file_and_canonical_solutions():
 
 
 def _cfg(**kw):
-    base = {"tasks": ("humaneval", "niah_single", "vt"), "policies": ("dense", "streaming", "tova", "oracle"),
-            "budgets": (96,), "cases": 2, "context_length": 1500, "ruler_max_new_tokens": 6,
-            "humaneval_max_new_tokens": 12, "bootstrap": 50}  # fmt: skip
+    base = {
+        "tasks": ("humaneval", "niah_single", "vt"),
+        "policies": ("dense", "streaming", "tova", "oracle"),
+        "budgets": (96,),
+        "cases": 2,
+        "context_length": 1500,
+        "ruler_max_new_tokens": 6,
+        "humaneval_max_new_tokens": 12,
+        "bootstrap": 50,
+    }
     base.update(kw)
     return SuiteConfig(**base)
 
 
 def _run(model, tok, out, **kw):
     cfg = _cfg(**{k: v for k, v in kw.items() if k not in ("shard",)})
-    return run_suite(model, tok, cfg, out=out, filler=FILLER, problems=PROBLEMS, progress=False, plots=False,
-                     shard=kw.get("shard"))  # fmt: skip
+    return run_suite(
+        model, tok, cfg, out=out, filler=FILLER, problems=PROBLEMS, progress=False, plots=False, shard=kw.get("shard")
+    )
 
 
 def test_run_records_resume_and_mismatch(tmp_path, tok):
     model = tiny_model("llama")
-    stopped = run_suite(model, tok, _cfg(), out=tmp_path, filler=FILLER, problems=PROBLEMS, progress=False,
-                        plots=False, time_limit_s=0.0)  # fmt: skip
+    stopped = run_suite(
+        model,
+        tok,
+        _cfg(),
+        out=tmp_path,
+        filler=FILLER,
+        problems=PROBLEMS,
+        progress=False,
+        plots=False,
+        time_limit_s=0.0,
+    )
     assert stopped["sessions"][-1]["units_run"] == 0 and any("time limit" in n for n in stopped["notes"])
     res = _run(model, tok, tmp_path)
     units = res["units"]
@@ -221,8 +250,9 @@ def test_batched_generation_matches_one_at_a_time(tok):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g) for n in (70, 50, 90)]
     for policy in ("dense", "streaming", "tova"):
-        alone = [generate_batch(model, tok, [p], 10, build_cache(model, policy, 32, sinks=4), stop=set())[0]
-                 for p in prompts]  # fmt: skip
+        alone = [
+            generate_batch(model, tok, [p], 10, build_cache(model, policy, 32, sinks=4), stop=set())[0] for p in prompts
+        ]
         together = generate_batch(model, tok, prompts, 10, build_cache(model, policy, 32, sinks=4), stop=set())
         for a, b in zip(alone, together):
             assert a.tolist() == b.tolist(), policy
@@ -232,9 +262,19 @@ def test_batched_generation_matches_one_at_a_time(tok):
 
 
 def _rec(task, case, policy, budget, score, seq=100):
-    return {"key": f"{task}/{case}|{policy}|{budget if budget is not None else '-'}", "task": task, "case": case,
-            "item_id": f"{task}/{case}", "policy": policy, "budget": budget, "score": score, "seq_len": seq,
-            "new_tokens": 10, "prompt_tokens": seq - 10, "wall_s": 1.0}  # fmt: skip
+    return {
+        "key": f"{task}/{case}|{policy}|{budget if budget is not None else '-'}",
+        "task": task,
+        "case": case,
+        "item_id": f"{task}/{case}",
+        "policy": policy,
+        "budget": budget,
+        "score": score,
+        "seq_len": seq,
+        "new_tokens": 10,
+        "prompt_tokens": seq - 10,
+        "wall_s": 1.0,
+    }
 
 
 def test_summary_and_table_from_synthetic_records():

@@ -23,16 +23,46 @@ from kvpop.train.labels import Labels, decision_weights, labels_for, layer_loss,
 def docs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("docs")
     rng = random.Random(0)
-    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "into", "green", "hills", "and", "old", "trees"]
+    words = [
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "a",
+        "mat",
+        "while",
+        "dogs",
+        "ran",
+        "far",
+        "away",
+        "into",
+        "green",
+        "hills",
+        "and",
+        "old",
+        "trees",
+    ]
     for i in range(30):
         (folder / f"d{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
     return folder
 
 
 def _cfg(out, docs, **kw):
-    base = {"out": str(out), "docs_from": str(docs), "seq_len": 64, "budgets": (24,), "window": 8, "sinks": 2,
-            "steps": 6, "val_every": 3, "ckpt_every": 2, "val_docs": 1, "progress": False, "lr": 1e-2,
-            "observed": (None, 4, 1)}
+    base = {
+        "out": str(out),
+        "docs_from": str(docs),
+        "seq_len": 64,
+        "budgets": (24,),
+        "window": 8,
+        "sinks": 2,
+        "steps": 6,
+        "val_every": 3,
+        "ckpt_every": 2,
+        "val_docs": 1,
+        "progress": False,
+        "lr": 1e-2,
+        "observed": (None, 4, 1),
+    }
     base.update(kw)
     return TrainConfig(**base)
 
@@ -75,8 +105,10 @@ def test_resume_matches_uninterrupted_run(tmp_path, docs):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("change,needle", [({"budgets": (28,)}, "budgets"), ({"window": 6}, "window"),
-                                          ({"lam": 0.01}, "lam"), ({"lr": 3e-3}, "lr")])
+@pytest.mark.parametrize(
+    "change,needle",
+    [({"budgets": (28,)}, "budgets"), ({"window": 6}, "window"), ({"lam": 0.01}, "lam"), ({"lr": 3e-3}, "lr")],
+)
 def test_resume_refuses_other_settings(tmp_path, docs, change, needle):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     train(_cfg(tmp_path, docs, scorer="mlp", val_docs=0, stop_after=2), model, tok)
@@ -87,8 +119,9 @@ def test_resume_refuses_other_settings(tmp_path, docs, change, needle):
 def test_capture_store_is_reused_and_guarded(tmp_path, docs):
     model, tok = tiny_model("llama"), tiny_tokenizer()
     store = tmp_path / "store"
-    filled = train(_cfg(tmp_path / "cap", docs, store=str(store), capture_only=True, steps=4, extra_windows=(4,)),
-                   model, tok)  # fmt: skip
+    filled = train(
+        _cfg(tmp_path / "cap", docs, store=str(store), capture_only=True, steps=4, extra_windows=(4,)), model, tok
+    )
     assert filled["captured"] == 4 and len(list(store.glob("seq_*.safetensors"))) == 4
     a = train(_cfg(tmp_path / "a", docs, scorer="mlp", val_docs=0, steps=4, store=str(store)), model, tok)
     b = train(_cfg(tmp_path / "b", docs, scorer="mlp", val_docs=0, steps=4), model, tok)  # captured on the fly
@@ -107,7 +140,11 @@ def test_capture_store_is_reused_and_guarded(tmp_path, docs):
     (store / "store.json").write_text(json.dumps(meta))
     train(_cfg(tmp_path / "g", docs, scorer="mlp", val_docs=0, steps=2, store=str(store)), model, tok)
     with pytest.raises(ValueError, match="other settings.*fingerprint"):
-        train(_cfg(tmp_path / "h", docs, scorer="mlp", val_docs=0, steps=2, store=str(store)), tiny_model("llama", seed=1), tok)
+        train(
+            _cfg(tmp_path / "h", docs, scorer="mlp", val_docs=0, steps=2, store=str(store)),
+            tiny_model("llama", seed=1),
+            tok,
+        )
 
 
 def test_data_seed_reuses_the_store_for_a_seed_control(tmp_path, docs):
@@ -117,8 +154,11 @@ def test_data_seed_reuses_the_store_for_a_seed_control(tmp_path, docs):
     store = tmp_path / "store"
     train(_cfg(tmp_path / "cap", docs, store=str(store), capture_only=True, steps=4), model, tok)
     base = train(_cfg(tmp_path / "s0", docs, scorer="mlp", val_docs=0, steps=4, store=str(store)), model, tok)
-    ctl = train(_cfg(tmp_path / "s1", docs, scorer="mlp", val_docs=0, steps=4, seed=1, data_seed=0,
-                     store=str(store)), model, tok)  # fmt: skip
+    ctl = train(
+        _cfg(tmp_path / "s1", docs, scorer="mlp", val_docs=0, steps=4, seed=1, data_seed=0, store=str(store)),
+        model,
+        tok,
+    )
     fly = train(_cfg(tmp_path / "s1-fly", docs, scorer="mlp", val_docs=0, steps=4, seed=1, data_seed=0), model, tok)
     # the same sequences as a capture on the fly with the same data seed, another scorer than seed 0's
     assert [h["loss"] for h in ctl["history"]] == pytest.approx([h["loss"] for h in fly["history"]], rel=1e-3)
@@ -208,11 +248,45 @@ def test_ddp_two_processes_keep_identical_weights(tmp_path, docs):
     save_tiny_model(model_dir, "llama")
     out = tmp_path / "ddp"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-        "-m", "kvpop.train", "--kind", "mlstm", "--out", str(out), "--model", str(model_dir),
-        "--docs-from", str(docs), "--seq-len", "64", "--budget", "24", "--window", "8", "--sinks", "2",
-        "--observed", "all,4,1", "--steps", "4", "--batch-size", "2", "--ckpt-every", "2", "--val-every", "2",
-        "--val-docs", "1", "--check-sync", "--no-progress",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29517",
+        "-m",
+        "kvpop.train",
+        "--kind",
+        "mlstm",
+        "--out",
+        str(out),
+        "--model",
+        str(model_dir),
+        "--docs-from",
+        str(docs),
+        "--seq-len",
+        "64",
+        "--budget",
+        "24",
+        "--window",
+        "8",
+        "--sinks",
+        "2",
+        "--observed",
+        "all,4,1",
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--ckpt-every",
+        "2",
+        "--val-every",
+        "2",
+        "--val-docs",
+        "1",
+        "--check-sync",
+        "--no-progress",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
@@ -250,8 +324,11 @@ def test_noisy_oracle_places_learned_scorers_on_the_same_documents(tmp_path, doc
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
     cfg = _cfg(tmp_path, docs)
-    path = save_scorer(build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16, observed=(None, 1))),
-                       tmp_path / "s.safetensors", {"fingerprint": model_fingerprint(model)})  # fmt: skip
+    path = save_scorer(
+        build_scorer(ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16, observed=(None, 1))),
+        tmp_path / "s.safetensors",
+        {"fingerprint": model_fingerprint(model)},
+    )
     plain = noisy_oracle(model, tok, cfg, 24, [0.0], n_docs=2, progress=False)
     res = noisy_oracle(model, tok, cfg, 24, [0.0], n_docs=2, progress=False, scorers={"s": str(path)})
     # the targets read through the training capture are the oracle's own: same retention
@@ -306,8 +383,11 @@ def test_lam_scale_run_records_the_rule_and_caches_follow_it(tmp_path, docs):
     from kvpop.policies import LearnedPolicy
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    summary = train(_cfg(tmp_path, docs, scorer="mlp", steps=2, budget_range=(12, 48), window=None, lam_scale=0.24,
-                         val_every=2), model, tok)  # fmt: skip
+    summary = train(
+        _cfg(tmp_path, docs, scorer="mlp", steps=2, budget_range=(12, 48), window=None, lam_scale=0.24, val_every=2),
+        model,
+        tok,
+    )
     assert summary["history"]
     scorer, meta = load_scorer(tmp_path / "scorer.safetensors", model=model)
     assert meta["trained_for"]["lam_scale"] == 0.24
@@ -328,8 +408,9 @@ def test_budget_range_run_serves_every_budget_in_its_range(tmp_path, docs):
     from kvpop.policies import LearnedPolicy
 
     model, tok = tiny_model("llama"), tiny_tokenizer()
-    summary = train(_cfg(tmp_path, docs, scorer="mlp", steps=6, budget_range=(12, 48), window=None,
-                         val_every=6), model, tok)  # fmt: skip
+    summary = train(
+        _cfg(tmp_path, docs, scorer="mlp", steps=6, budget_range=(12, 48), window=None, val_every=6), model, tok
+    )
     assert {h["budget"] for h in summary["history"]} <= set(range(12, 49))
     assert len({h["budget"] for h in summary["history"]}) > 1
     scorer, meta = load_scorer(tmp_path / "scorer.safetensors", model=model)
@@ -358,15 +439,26 @@ def test_windows_per_sequence_keeps_a_smaller_store_and_budgets_follow_the_windo
     train(cfg, model, tok)
     for j in range(5):
         with safe_open(str(tmp_path / "store" / f"seq_{j:06d}.safetensors"), framework="pt") as f:
-            assert {k for k in f.keys() if k.startswith("target_")} == {f"target_{w}" for w in seq_windows[j]}  # noqa: SIM118
+            targets = {k for k in f.keys() if k.startswith("target_")}  # noqa: SIM118 (safe_open is not iterable)
+            assert targets == {f"target_{w}" for w in seq_windows[j]}
     run = _cfg(tmp_path / "run", docs, scorer="mlp", store=str(tmp_path / "store"), steps=5, **kw)
     summary = train(run, model, tok)
     for h in summary["history"]:
         ev = run.grid_eviction(h["budget"])
         assert ev.window in seq_windows[h["step"] - 1] and 12 <= h["budget"] <= 48
     with pytest.raises(ValueError, match="windows per sequence"):  # a run that wants every window is refused
-        train(_cfg(tmp_path / "all", docs, scorer="mlp", store=str(tmp_path / "store"), steps=1,
-                   **{**kw, "windows_per_sequence": 0}), model, tok)  # fmt: skip
+        train(
+            _cfg(
+                tmp_path / "all",
+                docs,
+                scorer="mlp",
+                store=str(tmp_path / "store"),
+                steps=1,
+                **{**kw, "windows_per_sequence": 0},
+            ),
+            model,
+            tok,
+        )
 
 
 def test_validation_baseline_is_shared_through_a_cache_folder(tmp_path, docs, monkeypatch):
@@ -429,10 +521,18 @@ def test_ship_scorer_ships_the_last_checkpoint_of_a_run_without_validation(tmp_p
     assets.mkdir()
     cfg = ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16, observed=(None, 1))
     save_scorer(build_scorer(cfg), run / "scorer.safetensors", {"steps": 7, "corpora": ["shakespeare", "package_code"]})
-    (run / "summary.json").write_text(json.dumps({
-        "seconds_this_process": 12.5, "tokens_seen": 64, "best": {"mean_retention": None, "step": 0},
-        "trained_for": {"budget_range": [128, 2048]}, "history": [{"step": 7, "loss": 0.1}],
-        "config": {"scorer": "mlp"}}))  # fmt: skip
+    (run / "summary.json").write_text(
+        json.dumps(
+            {
+                "seconds_this_process": 12.5,
+                "tokens_seen": 64,
+                "best": {"mean_retention": None, "step": 0},
+                "trained_for": {"budget_range": [128, 2048]},
+                "history": [{"step": 7, "loss": 0.1}],
+                "config": {"scorer": "mlp"},
+            }
+        )
+    )
     dest = assets / "smollm2-135m-instruct-mlp.safetensors"
     dest.write_bytes(b"old")
     dest.with_suffix(".summary.json").write_text("{}")
@@ -448,8 +548,19 @@ def test_ship_scorer_ships_the_last_checkpoint_of_a_run_without_validation(tmp_p
     with pytest.raises(SystemExit, match="--checkpoint scorer.safetensors"):
         ship.main()
     assert dest.read_bytes() == b"old" and dest.with_suffix(".summary.json").read_text() == "{}"
-    monkeypatch.setattr(sys, "argv", [*argv, "--checkpoint", "scorer.safetensors", "--validation", "v.md",
-                                      "--note", "chosen on the validation split"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            *argv,
+            "--checkpoint",
+            "scorer.safetensors",
+            "--validation",
+            "v.md",
+            "--note",
+            "chosen on the validation split",
+        ],
+    )
     ship.main()
     assert dest.read_bytes() == (run / "scorer.safetensors").read_bytes()
     summary = json.loads(dest.with_suffix(".summary.json").read_text())

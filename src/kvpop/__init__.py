@@ -56,14 +56,28 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "config": ("EvictionConfig",),
     "generate": ("GenerationResult", "generate"),
     "mask": ("masked_eviction",),
-    "models": ("SUPPORTED_MODEL_TYPES", "ModelLoadError", "kv_bytes_at", "kv_bytes_per_token", "load_model",
-               "model_summary"),
-    "policies": ("DEFAULT_POLICY", "DENSE", "POLICIES", "Policy", "default_policy", "get_policy", "policy_names",
-                 "register_policy"),
+    "models": (
+        "SUPPORTED_MODEL_TYPES",
+        "ModelLoadError",
+        "kv_bytes_at",
+        "kv_bytes_per_token",
+        "load_model",
+        "model_summary",
+    ),
+    "policies": (
+        "DEFAULT_POLICY",
+        "DENSE",
+        "POLICIES",
+        "Policy",
+        "default_policy",
+        "get_policy",
+        "policy_names",
+        "register_policy",
+    ),
     "rule": ("leave_steps",),
     "targets": ("future_attention",),
     "teacher": ("TeacherLabels", "teacher_labels"),
-}  # fmt: skip
+}
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [

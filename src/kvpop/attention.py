@@ -30,13 +30,24 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-__all__ = ["NAME", "KVpopMask", "KVpopOffset", "Route", "attention_implementation", "detach", "model_configs",
-           "register", "routed"]
+__all__ = [
+    "NAME",
+    "KVpopMask",
+    "KVpopOffset",
+    "Route",
+    "attention_implementation",
+    "detach",
+    "model_configs",
+    "register",
+    "routed",
+]
 
 NAME = "kvpop"
-USE_CACHE_FALSE = ("use_cache=False with a KVpop cache: the model would feed the whole sequence through the cache at "
-                   "every step (neither dense nor bounded attention). Drop use_cache=False, or drop the cache for a "
-                   "dense run without one.")  # fmt: skip
+USE_CACHE_FALSE = (
+    "use_cache=False with a KVpop cache: the model would feed the whole sequence through the cache at "
+    "every step (neither dense nor bounded attention). Drop use_cache=False, or drop the cache for a "
+    "dense run without one."
+)
 _BASE_ATTR = "_kvpop_base_attn"
 
 
@@ -151,8 +162,9 @@ class Route:
                 for cfg in _configs_of(config):
                     current = cfg._attn_implementation
                     if current != NAME and current not in (None, "sdpa", "eager"):
-                        raise ValueError(f"kvpop supports models loaded with attn_implementation 'sdpa' or 'eager', "
-                                         f"got {current!r}")  # fmt: skip
+                        raise ValueError(
+                            f"kvpop supports models loaded with attn_implementation 'sdpa' or 'eager', got {current!r}"
+                        )
                     saved.append((cfg, current))
                 for cfg, current in saved:
                     if current != NAME:
@@ -230,8 +242,9 @@ def model_configs(model: torch.nn.Module) -> list:
 
 
 @contextlib.contextmanager
-def attention_implementation(model: torch.nn.Module, name: str, var: contextvars.ContextVar | None = None,
-                             value=None) -> Iterator[None]:  # fmt: skip
+def attention_implementation(
+    model: torch.nn.Module, name: str, var: contextvars.ContextVar | None = None, value=None
+) -> Iterator[None]:
     """While active, every config of ``model`` names the attention implementation ``name`` (one
     registered with :func:`register`) and ``var`` (if given) holds ``value``, what that attention
     function reads; both are restored on exit, also on errors. The one place that switches a

@@ -38,7 +38,6 @@ from .step import StepSpec, check_scores, decode_exits, decode_tail, prefill_chu
 NAN_CHECK_EVERY = 64  # steady decode steps between checks of a heuristic policy's scores for NaN
 
 
-
 class KVpopLayer(CacheLayerMixin):
     """One layer's bounded cache. State is allocated lazily at the first update.
 
@@ -52,8 +51,9 @@ class KVpopLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, cfg: EvictionConfig, policy: Policy, layer_idx: int, cache: KVpopCache,
-                 policy_layer: int | None = None):  # fmt: skip
+    def __init__(
+        self, cfg: EvictionConfig, policy: Policy, layer_idx: int, cache: KVpopCache, policy_layer: int | None = None
+    ):
         super().__init__()
         self.cfg, self.policy, self.layer_idx = cfg, policy, layer_idx
         # the policy's index of this layer: its rank among the bounded layers (a learned scorer has one per
@@ -90,8 +90,9 @@ class KVpopLayer(CacheLayerMixin):
         self.load(self.new_state(b, h, d, value_states.shape[-1], key_states.dtype, key_states.device))
 
     # --- the state in and out, for an engine that keeps it elsewhere (kvpop.serving) ---------
-    def new_state(self, batch: int, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype,
-                  device: torch.device | str) -> LayerState:  # fmt: skip
+    def new_state(
+        self, batch: int, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device | str
+    ) -> LayerState:
         """Empty state for ``batch`` new sequences of this layer: what the first update allocates,
         and what a serving engine starts a new request from."""
         device = torch.device(device)
@@ -151,9 +152,14 @@ class KVpopLayer(CacheLayerMixin):
         """Whether the allocated state takes these keys and values: after a reset the next sequence may
         come in another batch size, dtype or device, which a fresh state is then allocated for."""
         k, v = self.state.k, self.state.v
-        return (k.shape[0] == key_states.shape[0] and k.shape[1] == key_states.shape[1]
-                and k.shape[3] == key_states.shape[3] and v.shape[3] == value_states.shape[3]
-                and k.dtype == key_states.dtype and k.device == key_states.device)  # fmt: skip
+        return (
+            k.shape[0] == key_states.shape[0]
+            and k.shape[1] == key_states.shape[1]
+            and k.shape[3] == key_states.shape[3]
+            and v.shape[3] == value_states.shape[3]
+            and k.dtype == key_states.dtype
+            and k.device == key_states.device
+        )
 
     def reset(self) -> None:
         """Empty the layer for a new sequence, as a fresh one: the buffers are emptied in place (a bound
@@ -203,12 +209,20 @@ class KVpopLayer(CacheLayerMixin):
         return _held_bytes(self)
 
     # --- kvpop --------------------------------------------------------------------------
-    def attend(self, query: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor,
-               valid: torch.Tensor | None, scaling: float) -> torch.Tensor:  # fmt: skip
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_new: torch.Tensor,
+        value_new: torch.Tensor,
+        valid: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
         """Insert the chunk under the rule and attend; returns ``[b, q_len, q_heads, d]``."""
         self.pending = False
         c = query.shape[2]
-        if valid is not None and (self.policy_layer == 0 or c > 1):  # every layer of a step gets the same mask: check it once
+        if valid is not None and (
+            self.policy_layer == 0 or c > 1
+        ):  # every layer of a step gets the same mask: check it once
             _check_padding(valid, self.state.n_real)
         spec = self._spec if self._spec is not None and self._spec.scaling == scaling else self._make_spec(scaling)
         # valid=None (no padding) takes no device sync; the attention routing passes None for an all-real mask
@@ -220,10 +234,19 @@ class KVpopLayer(CacheLayerMixin):
             self.seen += 1
             return out
         step = self.cfg.chunk
-        outs = [prefill_chunk(spec, self.kernels, self.policy_layer, self.state, query[:, :, i : i + step],
-                              key_new[:, :, i : i + step], value_new[:, :, i : i + step],
-                              None if valid is None else valid[:, i : i + step])
-                for i in range(0, c, step)]  # fmt: skip
+        outs = [
+            prefill_chunk(
+                spec,
+                self.kernels,
+                self.policy_layer,
+                self.state,
+                query[:, :, i : i + step],
+                key_new[:, :, i : i + step],
+                value_new[:, :, i : i + step],
+                None if valid is None else valid[:, i : i + step],
+            )
+            for i in range(0, c, step)
+        ]
         self.seen += c
         return torch.cat(outs, dim=2).transpose(1, 2)
 
@@ -246,8 +269,21 @@ class KVpopLayer(CacheLayerMixin):
             check_scores(prio, kernels.name, self.policy_layer)
             t0 = _tick(timer, "score", t0)
         obs = st.observed if kernels.needs_attention else None
-        out, st.n_real = decode_tail(spec, q, k_new, v_new, st.k, st.v, st.slot_index, st.lr_prio, obs, st.n_real,
-                                     ex_k, ex_v, None if not (exits and spec.k) else prio)  # fmt: skip
+        out, st.n_real = decode_tail(
+            spec,
+            q,
+            k_new,
+            v_new,
+            st.k,
+            st.v,
+            st.slot_index,
+            st.lr_prio,
+            obs,
+            st.n_real,
+            ex_k,
+            ex_v,
+            None if not (exits and spec.k) else prio,
+        )
         st.min_real += 1
         _tick(timer, "fused", t0)
         return out
@@ -266,9 +302,15 @@ class KVpopLayer(CacheLayerMixin):
         t0 = time.perf_counter() if timer is not None else 0.0
         kernel = kernels.decode_kernel(self.policy_layer, spec.window)
         bound = comp.bound.get(self.layer_idx)
-        if (bound is not None and bound.spec is spec and bound.state is st.policy_state and bound.observed is st.observed
-                and (bound.kernel is None or bound.kernel is kernel) and comp.active
-                and bound.step.fits(q, k_new, v_new)):  # fmt: skip
+        if (
+            bound is not None
+            and bound.spec is spec
+            and bound.state is st.policy_state
+            and bound.observed is st.observed
+            and (bound.kernel is None or bound.kernel is kernel)
+            and comp.active
+            and bound.step.fits(q, k_new, v_new)
+        ):
             out, st.n_real = bound.step(q, k_new, v_new, st.n_real)  # only the new token's tensors change
             st.min_real += 1
             _tick(timer, "fused", t0)
@@ -285,8 +327,9 @@ class KVpopLayer(CacheLayerMixin):
             t0 = _tick(timer, "score", t0)
         out, t_next = comp.run(self.layer_idx, name, args, self.device.type)
         if name != "decode_tail":
-            comp.bind(self.layer_idx, name, args, (q, k_new, v_new, st.n_real), spec, st.policy_state, st.observed,
-                      kernel)  # fmt: skip
+            comp.bind(
+                self.layer_idx, name, args, (q, k_new, v_new, st.n_real), spec, st.policy_state, st.observed, kernel
+            )
         st.n_real = t_next
         st.min_real += 1
         _tick(timer, "fused", t0)
@@ -296,8 +339,9 @@ class KVpopLayer(CacheLayerMixin):
         """The policy state, as tensors nothing else holds (the compiled step updates it in place)."""
         st = self.state
         if st.policy_state is not None and st.policy_state is not self._owned_state:
-            st.policy_state = self._owned_state = map_state(st.policy_state,
-                                                            lambda x: x.clone(memory_format=torch.contiguous_format))
+            st.policy_state = self._owned_state = map_state(
+                st.policy_state, lambda x: x.clone(memory_format=torch.contiguous_format)
+            )
         return st.policy_state
 
     def _score_outside(self, spec: StepSpec, k_new, v_new) -> tuple:
@@ -426,8 +470,16 @@ class KVpopCache(Cache):
     calls always continue the sequence; :meth:`reset` empties the cache for a new one.
     """
 
-    def __init__(self, config, budget: int | None = None, *, policy: str | Policy | None = None,
-                 eviction: EvictionConfig | None = None, compile: bool | None = None, **kwargs):  # fmt: skip
+    def __init__(
+        self,
+        config,
+        budget: int | None = None,
+        *,
+        policy: str | Policy | None = None,
+        eviction: EvictionConfig | None = None,
+        compile: bool | None = None,
+        **kwargs,
+    ):
         """``budget`` and the other keywords of :class:`kvpop.config.BudgetArgs` (``k``, ``compression``,
         ``reference_length``, ``window``, ``sinks``, ``lam``, ``prefill_chunk``), or ``eviction=``; any
         other keyword goes to the policy factory (e.g. ``path=`` a scorer checkpoint, ``seed=``).
@@ -456,8 +508,12 @@ class KVpopCache(Cache):
             layer.model_config = config.get_text_config(decoder=True)
             layer.kv_shape = (shape.kv_heads, shape.head_dim)
         by_index = {layer.layer_idx: layer for layer in self.bounded}
-        super().__init__(layers=[by_index[i] if i in by_index else DynamicSlidingWindowLayer(shape.sliding_window)
-                                 for i in range(shape.num_layers)])  # fmt: skip
+        super().__init__(
+            layers=[
+                by_index[i] if i in by_index else DynamicSlidingWindowLayer(shape.sliding_window)
+                for i in range(shape.num_layers)
+            ]
+        )
 
     # --- one sequence per generate() call, unless resumed -----------------------------------
     @property
@@ -539,9 +595,9 @@ class KVpopCache(Cache):
         if layer.policy_layer == 0 and prev.seen != layer.seen:
             raise ValueError(
                 f"this KVpop cache has {len(layers)} layers, but its layer {prev.layer_idx} saw {prev.seen} tokens "
-                f"and layer {layer.layer_idx} saw {layer.seen}: the model uses only {_layers_used(layers)} of them (the "
-                "cache was created from another model's config), or an earlier forward failed midway (cache.reset() "
-                "empties it). Create a new cache from this model: KVpopCache(model.config, ...) or "
+                f"and layer {layer.layer_idx} saw {layer.seen}: the model uses only {_layers_used(layers)} of them "
+                "(the cache was created from another model's config), or an earlier forward failed midway "
+                "(cache.reset() empties it). Create a new cache from this model: KVpopCache(model.config, ...) or "
                 "kvpop.make_cache(model, ...)."
             )
         return layer.update(key_states, value_states, *args, **kwargs)
@@ -575,20 +631,34 @@ class KVpopCache(Cache):
         layers' ``B`` slots) or ``part="sliding"`` (the sliding layers' own windows)."""
         if part not in (None, "bounded", "sliding"):
             raise ValueError(f"part must be None, 'bounded' or 'sliding', got {part!r}")
-        return sum(_held_bytes(layer) for layer in self.layers
-                   if part is None or isinstance(layer, KVpopLayer) == (part == "bounded"))  # fmt: skip
+        return sum(
+            _held_bytes(layer)
+            for layer in self.layers
+            if part is None or isinstance(layer, KVpopLayer) == (part == "bounded")
+        )
 
     def __repr__(self) -> str:
         e = self.eviction
         sliding = len(self.layers) - len(self.bounded)
-        extra = f", sliding_layers={sliding} (window {self.layers[self.is_sliding.index(True)].sliding_window})" \
-            if sliding else ""  # fmt: skip
-        return (f"KVpopCache(sinks={e.sinks}, window={e.window}, k={e.k}, budget={e.budget}{extra}, "
-                f"policy={self.policy!r})")  # fmt: skip
+        extra = (
+            f", sliding_layers={sliding} (window {self.layers[self.is_sliding.index(True)].sliding_window})"
+            if sliding
+            else ""
+        )
+        return (
+            f"KVpopCache(sinks={e.sinks}, window={e.window}, k={e.k}, budget={e.budget}{extra}, policy={self.policy!r})"
+        )
 
 
-def make_cache(model, policy: str | Policy | None = None, *, budget: int | None = None,
-               eviction: EvictionConfig | None = None, compile: bool | None = None, **kwargs) -> KVpopCache | None:  # fmt: skip
+def make_cache(
+    model,
+    policy: str | Policy | None = None,
+    *,
+    budget: int | None = None,
+    eviction: EvictionConfig | None = None,
+    compile: bool | None = None,
+    **kwargs,
+) -> KVpopCache | None:
     """A cache for ``model`` under ``policy``: ``None`` for ``"dense"`` (transformers' own cache).
 
     The one place that builds a cache from a policy name (``kvpop.generate``, the evaluation,

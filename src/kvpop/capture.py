@@ -125,15 +125,14 @@ def _segments(mask2d: Tensor, S: int) -> list[tuple[int, int]]:
             continue
         a, b = int(idx[0]), int(idx[-1]) + 1
         if b - a != idx.numel():
-            raise ValueError(
-                f"attention_mask row {r}: valid tokens must be contiguous (left or right padding only)"
-            )
+            raise ValueError(f"attention_mask row {r}: valid tokens must be contiguous (left or right padding only)")
         segs.append((a, b))
     return segs
 
 
-def _target(state: CaptureState, query: Tensor, key: Tensor, scale: float, lse: Tensor | None,
-            window: int | None = None) -> Tensor:
+def _target(
+    state: CaptureState, query: Tensor, key: Tensor, scale: float, lse: Tensor | None, window: int | None = None
+) -> Tensor:
     window = state.window if window is None else window
     B, Hk, S, _ = key.shape
     out_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -185,9 +184,7 @@ def _capture_attention(
         and state.attention_mask is None
         and attention_mask is None
         and dropout == 0.0
-        and not (
-            torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-        )
+        and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))
         and kwargs.get("is_causal", True) is not False
         and all(kwargs.get(m) is None for m in _MODIFIERS)
         and query.shape[-1] == key.shape[-1] == value.shape[-1]
@@ -218,8 +215,9 @@ def _capture_attention(
         if state.observed_windows:
             if state.attention_mask is not None:
                 raise ValueError("observed-attention statistics need unpadded rows")
-            observed = observed_attention_windows(q, k, state.observed_windows, state.sinks, state.obs_windows,
-                                                  scale=scale)  # fmt: skip
+            observed = observed_attention_windows(
+                q, k, state.observed_windows, state.sinks, state.obs_windows, scale=scale
+            )
     state.captures[idx] = LayerCapture(
         layer=idx,
         keys=key.detach(),

@@ -5,7 +5,8 @@ corpora, steps) and a fingerprint of the base model (architecture, layer/head/di
 parameters, vocabulary, and hashes of the weights), so using it with another model is a
 clear error rather than a silent quality loss. The config part is checked whenever a learned
 policy meets a model config (every ``KVpopCache``), the weight hash whenever the model itself
-is at hand (``kvpop.generate``, ``make_cache``, the CLI). Files are written to a temporary name in the same folder and renamed
+is at hand (``kvpop.generate``, ``make_cache``, the CLI). Files are written to a temporary name in the same
+folder and renamed
 into place: a crash mid-save leaves the previous checkpoint intact.
 """
 
@@ -27,7 +28,10 @@ from .scorers import ScorerConfig, ScorerStack, build_scorer
 
 FORMAT = "kvpop-scorer-v1"
 ASSETS = Path(__file__).parent / "assets" / "scorers"
-DEFAULT_SCORERS = {"mlstm": ASSETS / "smollm2-135m-instruct-mlstm.safetensors", "mlp": ASSETS / "smollm2-135m-instruct-mlp.safetensors"}
+DEFAULT_SCORERS = {
+    "mlstm": ASSETS / "smollm2-135m-instruct-mlstm.safetensors",
+    "mlp": ASSETS / "smollm2-135m-instruct-mlp.safetensors",
+}
 # the embedded model adapted to its bounded cache (kvpop adapt): LoRA adapter + the mLSTM scorer trained with it
 DEFAULT_ADAPTER = ASSETS.parent / "adapters" / "smollm2-135m-instruct-kvpop"
 
@@ -72,7 +76,8 @@ def model_fingerprint(model) -> dict[str, Any]:
     :data:`WEIGHTS_SAMPLED_KEY`: the bfloat16 bit patterns of every parameter (every layer's
     projections, norms, embeddings, LM head), every :data:`SAMPLE_STRIDE`-th value, so a model
     fine-tuned in any layer (or with LoRA merged into projections other than ``k_proj``) is another
-    model; 132k values for SmolLM2-135M (measured: ~13 ms on one CPU thread, against ~0.5 ms for the narrow hashes alone). Older checkpoints record only
+    model; 132k values for SmolLM2-135M (measured: ~13 ms on one CPU thread, against ~0.5 ms for the narrow hashes
+    alone). Older checkpoints record only
     the narrow hashes of the first 4,096 values of layer 0's ``k_proj`` and of the embeddings, as
     float32 rounded to 5 decimals (:data:`WEIGHTS_KEY`) and as bfloat16 bit patterns
     (:data:`WEIGHTS_BF16_KEY`); both are still computed, so those checkpoints keep matching.
@@ -99,11 +104,18 @@ def model_fingerprint(model) -> dict[str, Any]:
             h16.update(name.encode())
             h16.update(x.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
     if samples:
-        all_bf16 = torch.cat([x.to(torch.bfloat16) for x in samples]) if len({x.dtype for x in samples}) > 1 \
-            else torch.cat(samples).to(torch.bfloat16)  # fmt: skip
+        all_bf16 = (
+            torch.cat([x.to(torch.bfloat16) for x in samples])
+            if len({x.dtype for x in samples}) > 1
+            else torch.cat(samples).to(torch.bfloat16)
+        )
         hall.update(all_bf16.view(torch.int16).cpu().numpy().tobytes())
-    return {**config_fingerprint(model.config), WEIGHTS_KEY: h.hexdigest()[:16], WEIGHTS_BF16_KEY: h16.hexdigest()[:16],
-            WEIGHTS_SAMPLED_KEY: hall.hexdigest()[:16]}  # fmt: skip
+    return {
+        **config_fingerprint(model.config),
+        WEIGHTS_KEY: h.hexdigest()[:16],
+        WEIGHTS_BF16_KEY: h16.hexdigest()[:16],
+        WEIGHTS_SAMPLED_KEY: hall.hexdigest()[:16],
+    }
 
 
 def fingerprint_diff(want: dict[str, Any], got: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -113,8 +125,9 @@ def fingerprint_diff(want: dict[str, Any], got: dict[str, Any]) -> dict[str, tup
     model is loaded in) is not compared then."""
     same_bf16 = any(key in want and want.get(key) == got.get(key) for key in (WEIGHTS_BF16_KEY, WEIGHTS_SAMPLED_KEY))
     skip = {WEIGHTS_KEY} if same_bf16 else set()
-    return {k: (want[k], got[k]) for k in want
-            if k in got and k not in skip and _jsonable(want[k]) != _jsonable(got[k])}  # fmt: skip
+    return {
+        k: (want[k], got[k]) for k in want if k in got and k not in skip and _jsonable(want[k]) != _jsonable(got[k])
+    }
 
 
 def check_fingerprint(want: dict[str, Any] | None, source, *, config=None, model=None) -> None:
@@ -191,8 +204,10 @@ def load_scorer(path: str | os.PathLike, model=None, config=None) -> tuple[Score
     floats = {k: v for k, v in state.items() if v.is_floating_point()}
     bad = next((k for k, v in floats.items() if not bool(torch.isfinite(v).all())), None)
     if bad is not None:
-        raise ValueError(f"{path}: tensor {bad!r} holds NaN or infinite values; the checkpoint is corrupt (a "
-                         "diverged run?): use an earlier checkpoint")  # fmt: skip
+        raise ValueError(
+            f"{path}: tensor {bad!r} holds NaN or infinite values; the checkpoint is corrupt (a "
+            "diverged run?): use an earlier checkpoint"
+        )
     if floats and not any(bool(v.any()) for v in floats.values()):
         raise ValueError(f"{path}: every weight is zero; this is not a trained scorer")
     scorer.load_state_dict(state)

@@ -62,32 +62,52 @@ def _benchmark_main(name: str) -> Callable[[list[str]], int | None]:
     """The main of ``kvpop bench NAME``, imported only when a benchmark runs (the benchmarks load torch)."""
     from .bench import generate, gpu, overhead, prefill, targets, vllm
 
-    return {"targets": targets.main, "generate": generate.main, "overhead": overhead.main, "prefill": prefill.main,
-            "gpu": gpu.main, "vllm": vllm.main}[name]  # fmt: skip
+    return {
+        "targets": targets.main,
+        "generate": generate.main,
+        "overhead": overhead.main,
+        "prefill": prefill.main,
+        "gpu": gpu.main,
+        "vllm": vllm.main,
+    }[name]
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="local HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="local HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+    )
 
 
 def _add_budget(p: argparse.ArgumentParser, default_budget: int | None = DEFAULT_BUDGET) -> None:
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--budget", type=int, default=None,
-                   help=f"slots per KV head B = sinks + window + k (default {default_budget})")
+    g.add_argument(
+        "--budget", type=int, default=None, help=f"slots per KV head B = sinks + window + k (default {default_budget})"
+    )
     g.add_argument("--compression", type=float, default=None, help="compression r in (0, 1) of --reference-length")
     p.add_argument("--reference-length", type=int, default=4096, help="L for --compression (default 4096)")
-    p.add_argument("--window", type=int, default=None,
-                   help="protected recent window (default: a learned scorer's trained fraction of B, else B / 2)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="protected recent window (default: a learned scorer's trained fraction of B, else B / 2)",
+    )
     p.add_argument("--sinks", type=int, default=4, help="attention sinks kept forever (default 4)")
-    p.add_argument("--lam", type=float, default=None,
-                   help="recency tilt of the priority r(t) + lam * t (default: the scorer's trained lam, else 0)")
+    p.add_argument(
+        "--lam",
+        type=float,
+        default=None,
+        help="recency tilt of the priority r(t) + lam * t (default: the scorer's trained lam, else 0)",
+    )
 
 
 def _budget_kwargs(args, default_budget: int | None = DEFAULT_BUDGET) -> dict:
     if args.compression is not None:
-        return {"compression": args.compression, "reference_length": args.reference_length, "window": args.window,
-                "sinks": args.sinks}  # fmt: skip
+        return {
+            "compression": args.compression,
+            "reference_length": args.reference_length,
+            "window": args.window,
+            "sinks": args.sinks,
+        }
     budget = args.budget if args.budget is not None else default_budget
     return {"budget": budget, "window": args.window, "sinks": args.sinks}
 
@@ -122,8 +142,11 @@ def _check_args(args, bounded: bool) -> None:
     """Every check that the argument values alone decide, in one place, before any model loads (one line
     naming the argument, exit code 2): the ints through one checker, the --prompt text, exclusive options,
     and for a bounded cache (``bounded``) the budget's numbers and split."""
-    ints = {name: least for name, least in INT_ARGUMENTS.items()
-            if hasattr(args, name) and (bounded or name == "max_new_tokens")}  # fmt: skip
+    ints = {
+        name: least
+        for name, least in INT_ARGUMENTS.items()
+        if hasattr(args, name) and (bounded or name == "max_new_tokens")
+    }
     kw = _cache_kwargs(args)
     try:
         for name, least in ints.items():
@@ -138,11 +161,15 @@ def _check_args(args, bounded: bool) -> None:
     if bounded:
         budget, stated = _stated_budget(args)
         if args.window is not None and budget < args.sinks + args.window:
-            raise ValueError(f"budget={budget} is smaller than sinks + window = {args.sinks} + {args.window} "
-                             f"({stated}, --sinks {args.sinks}, --window {args.window})")  # fmt: skip
+            raise ValueError(
+                f"budget={budget} is smaller than sinks + window = {args.sinks} + {args.window} "
+                f"({stated}, --sinks {args.sinks}, --window {args.window})"
+            )
         if args.window is None and args.sinks >= budget:
-            raise ValueError(f"--sinks {args.sinks} leaves no slot for the recent window in {stated}: give "
-                             "--sinks below B, or a larger --budget")  # fmt: skip
+            raise ValueError(
+                f"--sinks {args.sinks} leaves no slot for the recent window in {stated}: give "
+                "--sinks below B, or a larger --budget"
+            )
     if getattr(args, "adapter", None) is not None and args.base_model:
         raise ValueError("--adapter and --base-model exclude each other")
     if getattr(args, "prompt", None) is not None:
@@ -158,8 +185,10 @@ def _check_budget_fits(args) -> None:
     budget, stated = _stated_budget(args)
     if found is not None and budget > found[0]:
         limit, config = found
-        raise ValueError(f"{stated} exceeds the model's position limit max_position_embeddings={limit} ({config}): "
-                         f"give a budget <= {limit}, or --policy dense")  # fmt: skip
+        raise ValueError(
+            f"{stated} exceeds the model's position limit max_position_embeddings={limit} ({config}): "
+            f"give a budget <= {limit}, or --policy dense"
+        )
 
 
 def cmd_info(args) -> int:
@@ -181,8 +210,14 @@ def cmd_info(args) -> int:
     attention.detach(model.config)
     ev = kv_cache.eviction
     per_token = summary["kv_bytes_per_token"]
-    summary["budget"] = {"policy": policy, "sinks": ev.sinks, "window": ev.window, "k": ev.k, "B": ev.budget,
-                         "lam": ev.lam}  # fmt: skip
+    summary["budget"] = {
+        "policy": policy,
+        "sinks": ev.sinks,
+        "window": ev.window,
+        "k": ev.k,
+        "B": ev.budget,
+        "lam": ev.lam,
+    }
     bounded = models.kv_bytes_at(model.config, ev.budget, budget=ev.budget)  # with the sliding layers' windows, if any
     summary["kv_bytes_bounded"] = bounded
     for n in (1024, 4096, 8192):
@@ -193,11 +228,15 @@ def cmd_info(args) -> int:
     for key in ("model_type", "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
         print(f"{key:>24}: {summary[key]}")
     print(f"{'KV bytes / token':>24}: {human_bytes(per_token)} (fp32)")
-    print(f"{'budget':>24}: B={ev.budget} (sinks {ev.sinks} + window {ev.window} + k {ev.k}, lam {ev.lam:g}; "
-          f"policy {policy}) -> {human_bytes(bounded)} per sequence, however long")
+    print(
+        f"{'budget':>24}: B={ev.budget} (sinks {ev.sinks} + window {ev.window} + k {ev.k}, lam {ev.lam:g}; "
+        f"policy {policy}) -> {human_bytes(bounded)} per sequence, however long"
+    )
     if summary["sliding_window"] is not None:
-        print(f"{'sliding layers':>24}: {summary['num_layers'] - len(summary['full_attention_layers'])} keep their own "
-              f"window of {summary['sliding_window']}; full-attention layers {summary['full_attention_layers']}")
+        print(
+            f"{'sliding layers':>24}: {summary['num_layers'] - len(summary['full_attention_layers'])} keep their own "
+            f"window of {summary['sliding_window']}; full-attention layers {summary['full_attention_layers']}"
+        )
     for n in (1024, 4096, 8192):
         dense = models.kv_bytes_at(model.config, n)
         saved = 1 - min(models.kv_bytes_at(model.config, n, budget=min(ev.budget, n)), dense) / dense
@@ -288,8 +327,10 @@ def _load(args, adapter):
     model, tok = load_model_quietly(args.model, adapter=adapter, merge=adapter is not None)
     print(f"[kvpop] model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     if adapter is not None:
-        print(f"[kvpop] adapted model: {model.kvpop_adapter.path} (LoRA + its scorer; --base-model for the base "
-              "model)", file=sys.stderr)  # fmt: skip
+        print(
+            f"[kvpop] adapted model: {model.kvpop_adapter.path} (LoRA + its scorer; --base-model for the base model)",
+            file=sys.stderr,
+        )
     else:
         print(f"[kvpop] base model: {args.model or 'the embedded model'} (no adapter bundle)", file=sys.stderr)
     return model, tok
@@ -299,8 +340,11 @@ def _compare_policies(args) -> list[str]:
     policies = list(dict.fromkeys(p.strip() for p in args.compare.split(",") if p.strip()))
     bad = [p for p in policies if p not in EVICTION_POLICIES]
     if bad or not policies:
-        raise ValueError(f"--compare: unknown policy {bad[0]!r}; choose from {', '.join(EVICTION_POLICIES)}" if bad
-                         else "--compare: give at least one policy, e.g. dense,streaming,kvpop")  # fmt: skip
+        raise ValueError(
+            f"--compare: unknown policy {bad[0]!r}; choose from {', '.join(EVICTION_POLICIES)}"
+            if bad
+            else "--compare: give at least one policy, e.g. dense,streaming,kvpop"
+        )
     if args.policy is not None:
         raise ValueError("--compare and --policy exclude each other (--compare names every policy to run)")
     return policies
@@ -318,13 +362,23 @@ def cmd_compare(args) -> int:
         policy_for_scorer(args.scorer)  # a readable scorer checkpoint, before the model loads
     adapter = _compare_adapter(args, policies)
     model, tok = _load(args, adapter)
-    outcomes = compare(model, tok, prompt, policies, cache_kwargs={**_cache_kwargs(args), "compile": args.compile},
-                       policy_kwargs={p: _policy_kwargs(args, p) for p in policies},
-                       max_new_tokens=args.max_new_tokens, chat=args.chat)  # fmt: skip
+    outcomes = compare(
+        model,
+        tok,
+        prompt,
+        policies,
+        cache_kwargs={**_cache_kwargs(args), "compile": args.compile},
+        policy_kwargs={p: _policy_kwargs(args, p) for p in policies},
+        max_new_tokens=args.max_new_tokens,
+        chat=args.chat,
+    )
     r = outcomes[0].result
     caches = ", ".join(f"{o.policy}: {o.result.cache!r}" for o in outcomes if o.result.cache is not None)
-    print(f"[kvpop] model={_which_model(adapter)}; prompt {r.prompt_tokens:,} tokens; up to {args.max_new_tokens} "
-          f"new tokens per policy; {caches or 'dense only'}", file=sys.stderr)  # fmt: skip
+    print(
+        f"[kvpop] model={_which_model(adapter)}; prompt {r.prompt_tokens:,} tokens; up to {args.max_new_tokens} "
+        f"new tokens per policy; {caches or 'dense only'}",
+        file=sys.stderr,
+    )
     print(table(outcomes))
     return 0
 
@@ -351,8 +405,16 @@ def cmd_generate(args) -> int:
     kwargs = {} if policy == "dense" else _cache_kwargs(args)
     if policy != "dense":
         kwargs["compile"] = args.compile
-    res = generate(model, tok, prompt, policy=policy, policy_kwargs=policy_kwargs, max_new_tokens=args.max_new_tokens,
-                   chat=args.chat, **kwargs)  # fmt: skip
+    res = generate(
+        model,
+        tok,
+        prompt,
+        policy=policy,
+        policy_kwargs=policy_kwargs,
+        max_new_tokens=args.max_new_tokens,
+        chat=args.chat,
+        **kwargs,
+    )
     print(res.text)
     where = f" {res.cache!r}" if res.cache is not None else ""
     print(f"[kvpop] model={_which_model(adapter)} policy={policy}{where}", file=sys.stderr)
@@ -367,12 +429,16 @@ def cmd_generate(args) -> int:
     )
     note = ""
     if res.cache is not None and res.kv_bytes > res.dense_kv_bytes:
-        note = (f"; the {res.cache.budget} slots are allocated up front, so the bound pays off past "
-                f"{res.cache.budget} tokens")
+        note = (
+            f"; the {res.cache.budget} slots are allocated up front, so the bound pays off past "
+            f"{res.cache.budget} tokens"
+        )
     parts = ""
     if res.cache is not None and len(res.cache.bounded) < len(res.cache.layers):
-        parts = (f" (full-attention layers {human_bytes(res.cache.kv_bytes('bounded'))} + sliding layers "
-                 f"{human_bytes(res.cache.kv_bytes('sliding'))})")  # fmt: skip
+        parts = (
+            f" (full-attention layers {human_bytes(res.cache.kv_bytes('bounded'))} + sliding layers "
+            f"{human_bytes(res.cache.kv_bytes('sliding'))})"
+        )
     print(
         f"[kvpop] KV cache held {human_bytes(res.kv_bytes)}{parts} vs {human_bytes(res.dense_kv_bytes)} dense "
         f"({res.kv_bytes / max(1, res.dense_kv_bytes):.1%}){note}",
@@ -388,9 +454,13 @@ def build_parser() -> argparse.ArgumentParser:
     pi = sub.add_parser("info", help="model config, KV bytes per token, what a budget saves")
     _add_model(pi)
     _add_budget(pi)
-    pi.add_argument("--policy", choices=[n for n in EVICTION_POLICIES if n != "dense"], default=None,
-                    help=f"show the budget split this policy uses (a learned scorer: its trained window and lam; "
-                         f"default {DEFAULT_POLICY}, or the library default on a model without a shipped scorer)")
+    pi.add_argument(
+        "--policy",
+        choices=[n for n in EVICTION_POLICIES if n != "dense"],
+        default=None,
+        help=f"show the budget split this policy uses (a learned scorer: its trained window and lam; "
+        f"default {DEFAULT_POLICY}, or the library default on a model without a shipped scorer)",
+    )
     pi.add_argument("--json", action="store_true", help="print JSON")
 
     pg = sub.add_parser("generate", help="generate text with a bounded KV cache; prints KV held vs dense and tokens/s")
@@ -398,49 +468,80 @@ def build_parser() -> argparse.ArgumentParser:
     src = pg.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", metavar="FILE", help="read the prompt from FILE ('-': standard input)")
-    src.add_argument("--demo-prompt", action="store_true",
-                     help="a built-in long prompt: a ~6k-token Paul Graham essay (paul_graham corpus) and a "
-                          "question")  # fmt: skip
+    src.add_argument(
+        "--demo-prompt",
+        action="store_true",
+        help="a built-in long prompt: a ~6k-token Paul Graham essay (paul_graham corpus) and a question",
+    )
     pg.add_argument("--max-new-tokens", type=int, default=64)
-    pg.add_argument("--policy", choices=EVICTION_POLICIES, default=None,
-                    help=f"eviction policy (default: on the embedded model, the policy of the shipped adapted "
-                         f"bundle's scorer, kvpop-mlp; else {DEFAULT_POLICY}, the shipped MLP scorer; with --scorer: "
-                         "its kind). dense runs the same model as the default: the adapted bundle on the embedded "
-                         "model, unless --base-model")  # fmt: skip
+    pg.add_argument(
+        "--policy",
+        choices=EVICTION_POLICIES,
+        default=None,
+        help=f"eviction policy (default: on the embedded model, the policy of the shipped adapted "
+        f"bundle's scorer, kvpop-mlp; else {DEFAULT_POLICY}, the shipped MLP scorer; with --scorer: "
+        "its kind). dense runs the same model as the default: the adapted bundle on the embedded "
+        "model, unless --base-model",
+    )
     _add_budget(pg)
     pg.add_argument("--seed", type=int, default=0, help="seed of the random policy")
-    pg.add_argument("--scorer", metavar="PATH", default=None,
-                    help="a scorer checkpoint (.safetensors from kvpop train); its kind picks kvpop or "
-                         "kvpop-mlp")  # fmt: skip
+    pg.add_argument(
+        "--scorer",
+        metavar="PATH",
+        default=None,
+        help="a scorer checkpoint (.safetensors from kvpop train); its kind picks kvpop or kvpop-mlp",
+    )
     pg.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    pg.add_argument("--adapter", metavar="DIR", default=None,
-                    help="an adapter bundle (kvpop adapt) to load onto the model; its scorer serves the learned policy")
-    pg.add_argument("--base-model", action="store_true",
-                    help="on the embedded model, with the default policy, the learned policy the shipped adapted "
-                         "bundle's scorer serves, or dense: use the base model (and its scorer), not the bundle "
-                         "(another learned policy by name runs on the base model anyway); the status lines say "
-                         "which model ran")  # fmt: skip
-    pg.add_argument("--compare", metavar="P1,P2,...", default=None,
-                    help="answer the same prompt under each of these policies (e.g. dense,streaming,kvpop) with one "
-                         "model load, and print one table: answer, KV held, prefill and decode tok/s, compiled or not")
-    pg.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="compile the cache's steady decode step (default: on where a compiler works, a few seconds "
-                         "once, faster steps after; --no-compile: eager)")
+    pg.add_argument(
+        "--adapter",
+        metavar="DIR",
+        default=None,
+        help="an adapter bundle (kvpop adapt) to load onto the model; its scorer serves the learned policy",
+    )
+    pg.add_argument(
+        "--base-model",
+        action="store_true",
+        help="on the embedded model, with the default policy, the learned policy the shipped adapted "
+        "bundle's scorer serves, or dense: use the base model (and its scorer), not the bundle "
+        "(another learned policy by name runs on the base model anyway); the status lines say "
+        "which model ran",
+    )
+    pg.add_argument(
+        "--compare",
+        metavar="P1,P2,...",
+        default=None,
+        help="answer the same prompt under each of these policies (e.g. dense,streaming,kvpop) with one "
+        "model load, and print one table: answer, KV held, prefill and decode tok/s, compiled or not",
+    )
+    pg.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the cache's steady decode step (default: on where a compiler works, a few seconds "
+        "once, faster steps after; --no-compile: eager)",
+    )
 
     pb = sub.add_parser("bench", help="benchmarks (write JSON); `kvpop bench NAME --help` for a benchmark's options")
     pb.add_argument("what", choices=list(BENCHMARKS))
     sub.add_parser("train", help="train a KVpop scorer (see `kvpop train --help`)", add_help=False)
-    sub.add_parser("adapt", help="adapt the LLM to the bounded cache with LoRA (see `kvpop adapt --help`)",
-                   add_help=False)  # fmt: skip
-    sub.add_parser("compare-adapted", add_help=False,
-                   help="retention of the adapted model vs the base model under kvpop and StreamingLLM(+) on the "
-                        "test splits (see `kvpop compare-adapted --help`)")  # fmt: skip
-    sub.add_parser("diagnose", help="diagnostics of the learned scorer (see `kvpop diagnose noisy-oracle --help`)",
-                   add_help=False)  # fmt: skip
+    sub.add_parser(
+        "adapt", help="adapt the LLM to the bounded cache with LoRA (see `kvpop adapt --help`)", add_help=False
+    )
+    sub.add_parser(
+        "compare-adapted",
+        add_help=False,
+        help="retention of the adapted model vs the base model under kvpop and StreamingLLM(+) on the "
+        "test splits (see `kvpop compare-adapted --help`)",
+    )
+    sub.add_parser(
+        "diagnose", help="diagnostics of the learned scorer (see `kvpop diagnose noisy-oracle --help`)", add_help=False
+    )
     sub.add_parser("eval", help="evaluate policies and budgets (see `kvpop eval --help`)", add_help=False)
-    sub.add_parser("serve", add_help=False,
-                   help="vLLM's OpenAI-compatible server with kvpop layers (needs kvpop[vllm]; see "
-                        "`kvpop serve --help`)")  # fmt: skip
+    sub.add_parser(
+        "serve",
+        add_help=False,
+        help="vLLM's OpenAI-compatible server with kvpop layers (needs kvpop[vllm]; see `kvpop serve --help`)",
+    )
     return p
 
 

@@ -47,8 +47,16 @@ class Outcome:
         }
 
 
-def compare(model, tokenizer, prompt: str, policies, *, cache_kwargs: dict | None = None,
-            policy_kwargs: dict[str, dict] | None = None, **generate_kwargs) -> list[Outcome]:  # fmt: skip
+def compare(
+    model,
+    tokenizer,
+    prompt: str,
+    policies,
+    *,
+    cache_kwargs: dict | None = None,
+    policy_kwargs: dict[str, dict] | None = None,
+    **generate_kwargs,
+) -> list[Outcome]:
     """``prompt`` under each of ``policies`` (names; ``"dense"`` for the full cache) with the same
     budget (``cache_kwargs``: ``budget``, ``window``, ``compile``, ... for every bounded policy),
     ``policy_kwargs`` per policy name (e.g. ``{"kvpop": {"path": ...}}``) and ``generate_kwargs``
@@ -58,8 +66,9 @@ def compare(model, tokenizer, prompt: str, policies, *, cache_kwargs: dict | Non
     out = []
     for p in policies:
         kw = {} if p == "dense" else dict(cache_kwargs or {})
-        res = generate(model, tokenizer, prompt, policy=p, policy_kwargs=(policy_kwargs or {}).get(p), **kw,
-                       **generate_kwargs)  # fmt: skip
+        res = generate(
+            model, tokenizer, prompt, policy=p, policy_kwargs=(policy_kwargs or {}).get(p), **kw, **generate_kwargs
+        )
         out.append(Outcome(p, res))
     return out
 
@@ -73,6 +82,8 @@ def table(outcomes: list[Outcome]) -> str:
         pre = f"{r['prefill_tokens_per_s']:,.0f}" if r["prefill_tokens_per_s"] else "-"
         dec = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] else "-"
         answer = r["answer"].replace("|", "\\|")
-        lines.append(f"| {r['policy']} | {human_bytes(r['kv_held'])} ({r['kv_share_of_dense']:.1%}) | {pre} | {dec} | "
-                     f"{r['decode_step']} | {answer} |")  # fmt: skip
+        lines.append(
+            f"| {r['policy']} | {human_bytes(r['kv_held'])} ({r['kv_share_of_dense']:.1%}) | {pre} | {dec} | "
+            f"{r['decode_step']} | {answer} |"
+        )
     return "\n".join(lines)

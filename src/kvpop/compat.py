@@ -50,6 +50,7 @@ def quiet_peft_wrap() -> Iterator[None]:
     """Silence transformers' deprecation warning for ``is_gradient_checkpointing``, which peft reads
     while wrapping a model (peft's call, not ours; every other warning passes)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.* is deprecated",
-                                category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=r".*is_gradient_checkpointing.* is deprecated", category=FutureWarning
+        )
         yield

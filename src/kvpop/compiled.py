@@ -26,8 +26,18 @@ from torch import Tensor
 
 from . import step as steps
 
-__all__ = ["COMPILE_LOCK", "STEPS", "BoundGraph", "CodeStore", "CompileFailed", "CompiledStep", "Direct", "Dynamo",
-           "compile_default", "compiled_code"]
+__all__ = [
+    "COMPILE_LOCK",
+    "STEPS",
+    "BoundGraph",
+    "CodeStore",
+    "CompileFailed",
+    "CompiledStep",
+    "Direct",
+    "Dynamo",
+    "compile_default",
+    "compiled_code",
+]
 
 # One compilation at a time in the process: make_fx's tracer patches module globals and dynamo keeps
 # per-process state, so two threads compiling at once failed (3 runs in 7: "CURRENT_PATCHER is None").
@@ -147,8 +157,9 @@ class CompiledStep:
         except CompileFailed as exc:  # nothing written yet
             out = STEPS[name](*args)  # an error here is the step's own, not the compiler's
             self.error = str(exc)
-            warnings.warn(f"compiling the decode step failed ({self.error}); running it eagerly", RuntimeWarning,
-                          stacklevel=4)  # fmt: skip
+            warnings.warn(
+                f"compiling the decode step failed ({self.error}); running it eagerly", RuntimeWarning, stacklevel=4
+            )
             return out
         self.ran = True
         return code(*args)

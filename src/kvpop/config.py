@@ -102,16 +102,23 @@ def check_attention(config) -> None:
             f"KV cache is bounded already, at {window} tokens per layer, so kvpop has nothing to bound. Use "
             "transformers' own cache (policy='dense' / no cache argument), or a model with full-attention layers."
         )
-    other = sorted({t for t in (getattr(text, "layer_types", None) or []) if t not in ("full_attention", "sliding_attention")})
+    other = sorted(
+        {t for t in (getattr(text, "layer_types", None) or []) if t not in ("full_attention", "sliding_attention")}
+    )
     if other:
-        raise ValueError(f"kvpop bounds full-attention layers and keeps sliding-window ones; this {text.model_type} config "
-                         f"has layer_types {other}, which it does not support")  # fmt: skip
+        raise ValueError(
+            f"kvpop bounds full-attention layers and keeps sliding-window ones; this {text.model_type} config "
+            f"has layer_types {other}, which it does not support"
+        )
     if getattr(text, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"this {text.model_type} config sets attn_logit_softcapping={text.attn_logit_softcapping}, "
-                         "which kvpop's attention does not apply (its outputs would differ from the model's)")  # fmt: skip
+        raise ValueError(
+            f"this {text.model_type} config sets attn_logit_softcapping={text.attn_logit_softcapping}, "
+            "which kvpop's attention does not apply (its outputs would differ from the model's)"
+        )
     if getattr(text, "use_bidirectional_attention", False):
-        raise ValueError(f"this {text.model_type} config sets use_bidirectional_attention=True: a KV cache needs causal "
-                         "attention")  # fmt: skip
+        raise ValueError(
+            f"this {text.model_type} config sets use_bidirectional_attention=True: a KV cache needs causal attention"
+        )
 
 
 def budget_of_compression(compression: float, reference_length: int | None) -> int:
@@ -229,8 +236,7 @@ def split_budget(args: BudgetArgs) -> EvictionConfig:
     given = [name for name, v in (("budget", budget), ("k", k), ("compression", compression)) if v is not None]
     if len(given) != 1:
         raise ValueError(
-            "give exactly one of budget=B, k=K, or compression=r (with reference_length=L); "
-            f"got {given or 'none'}"
+            f"give exactly one of budget=B, k=K, or compression=r (with reference_length=L); got {given or 'none'}"
         )
     if compression is not None:
         budget = budget_of_compression(compression, args.reference_length)
@@ -325,9 +331,13 @@ class TrainedSettings:
         )
 
     def to_meta(self) -> dict[str, Any]:
-        return {"budget_range": None if self.budget_range is None else list(self.budget_range),
-                "window_fraction": self.window_fraction, "window": self.window, "lam": self.lam,
-                "lam_scale": self.lam_scale}  # fmt: skip
+        return {
+            "budget_range": None if self.budget_range is None else list(self.budget_range),
+            "window_fraction": self.window_fraction,
+            "window": self.window,
+            "lam": self.lam,
+            "lam_scale": self.lam_scale,
+        }
 
     def window_at(self, budget: int, sinks: int = 4) -> int:
         """The window this scorer was trained with at ``budget`` (its fraction of ``B``)."""
@@ -346,8 +356,11 @@ class TrainedSettings:
         parts = []
         if self.budget_range is not None:
             parts.append(f"budgets {self.budget_range[0]}..{self.budget_range[1]}")
-        parts.append(f"window {self.window}" if self.window is not None
-                     else f"window {self.window_fraction or DEFAULT_WINDOW_FRACTION:g} x B")  # fmt: skip
+        parts.append(
+            f"window {self.window}"
+            if self.window is not None
+            else f"window {self.window_fraction or DEFAULT_WINDOW_FRACTION:g} x B"
+        )
         if self.lam_scale is None:
             parts.append(f"lam {self.lam:g}")
         elif self.lam:
@@ -412,7 +425,12 @@ def settings_note(ev: EvictionConfig, trained: TrainedSettings, source: str = "t
     advice = ["leave window/lam unset to use the trained ones"] if chosen else []
     if not trained.covers(ev.budget):  # a budget no setting can fix
         lo, hi = trained.budget_range
-        advice.append(("the window is still what its training rule gives at this B, but " if not chosen else "")
-                      + f"it never saw a budget outside {lo}..{hi}")  # fmt: skip
-    return (f"{source} was not trained for " + " and ".join(problems)
-            + f"; its decisions may be worse than where it was trained ({'; '.join(advice)})")
+        advice.append(
+            ("the window is still what its training rule gives at this B, but " if not chosen else "")
+            + f"it never saw a budget outside {lo}..{hi}"
+        )
+    return (
+        f"{source} was not trained for "
+        + " and ".join(problems)
+        + f"; its decisions may be worse than where it was trained ({'; '.join(advice)})"
+    )

@@ -32,8 +32,17 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_dir", "atomic_write", "atomic_writes", "check_writable_dir", "clean_leftovers", "file_mode",
-           "fsync_dir", "json_safe", "write_json"]  # fmt: skip
+__all__ = [
+    "atomic_dir",
+    "atomic_write",
+    "atomic_writes",
+    "check_writable_dir",
+    "clean_leftovers",
+    "file_mode",
+    "fsync_dir",
+    "json_safe",
+    "write_json",
+]
 
 # what the writers here leave when killed: mkstemp/mkdtemp add 8 characters of [a-z0-9_]
 _TMP_FILE = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$")

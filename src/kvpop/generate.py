@@ -109,13 +109,17 @@ def generate(
         raise ValueError(f"unknown policy {policy!r}; known: {DENSE}, {', '.join(sorted(POLICIES))}")
     max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1, optional=False)
     if generate_kwargs.get("use_cache") is False and policy != DENSE:
-        raise ValueError("use_cache=False cannot run with a KVpop cache (the whole sequence would go through it at "
-                         "every step); drop it, or use policy='dense'")
+        raise ValueError(
+            "use_cache=False cannot run with a KVpop cache (the whole sequence would go through it at "
+            "every step); drop it, or use policy='dense'"
+        )
     cropping = [name for name in CROPPING if generate_kwargs.get(name) is not None]
     if cropping and policy != DENSE:
-        raise ValueError(f"{cropping[0]} (assisted decoding / prompt lookup) rolls the cache back after rejected draft "
-                         "tokens, and a KVpop cache cannot be rolled back (evicted tokens are gone); drop it, or use "
-                         "policy='dense'")  # fmt: skip
+        raise ValueError(
+            f"{cropping[0]} (assisted decoding / prompt lookup) rolls the cache back after rejected draft "
+            "tokens, and a KVpop cache cannot be rolled back (evicted tokens are gone); drop it, or use "
+            "policy='dense'"
+        )
     prompts = check_prompts(prompt)
     if policy != DENSE:  # each budget argument alone, before anything is built (make_cache checks how they combine)
         budget = budget.checked()
@@ -138,8 +142,10 @@ def generate(
     mask = enc.get("attention_mask")
     no_tokens = [i for i in range(len(prompts)) if n_prompt == 0 or (mask is not None and not bool(mask[i].any()))]
     if no_tokens:
-        raise ValueError(f"prompt{'' if isinstance(prompt, str) else f' item {no_tokens[0]}'} has no tokens after "
-                         "tokenization; give some text")
+        raise ValueError(
+            f"prompt{'' if isinstance(prompt, str) else f' item {no_tokens[0]}'} has no tokens after "
+            "tokenization; give some text"
+        )
     total = n_prompt + max_new_tokens
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
     if limit is not None and total > limit and not allow_position_overflow:

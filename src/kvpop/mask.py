@@ -142,8 +142,9 @@ def learned_priority_fn(scorer, window: int, lam: float = 0.0, sinks: int = 4) -
             from .observed import observed_attention
 
             observed = observed_attention(queries, keys, window, sinks, obs)
-        r = scorer.forward_layer(layer_idx, keys.float(), values.float(), window, positions=positions,
-                                 observed=observed, mask=mask).float()
+        r = scorer.forward_layer(
+            layer_idx, keys.float(), values.float(), window, positions=positions, observed=observed, mask=mask
+        ).float()
         return r + lam * positions.float().unsqueeze(1) if lam else r
 
     return fn
@@ -282,8 +283,9 @@ def _takes_queries(fn) -> bool:
     return any(p.name == "queries" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def _sliding_attention(query, key, value, attention_mask, window: int, scale: float, dropout: float,
-                       block: int) -> Tensor:  # fmt: skip
+def _sliding_attention(
+    query, key, value, attention_mask, window: int, scale: float, dropout: float, block: int
+) -> Tensor:
     """A sliding-window layer of a hybrid model, as the model runs it with its own cache: query ``i``
     sees keys ``j`` with ``i - window < j <= i`` (physical positions, as transformers' sliding mask and
     ``DynamicSlidingWindowLayer``), padding keys never; ``[b, hq, S, d]`` computed ``block`` queries at
@@ -301,8 +303,9 @@ def _sliding_attention(query, key, value, attention_mask, window: int, scale: fl
         see = ((kj <= qi) & (kj > qi - window)).view(1, 1, e - a, e - lo)
         if pad is not None:
             see = (see & pad[:, lo:e].view(b, 1, 1, e - lo)) | (kj == qi).view(1, 1, e - a, e - lo)
-        out[:, :, a:e] = F.scaled_dot_product_attention(query[:, :, a:e], key[:, :, lo:e], value[:, :, lo:e],
-                                                        attn_mask=see, dropout_p=dropout, scale=scale)  # fmt: skip
+        out[:, :, a:e] = F.scaled_dot_product_attention(
+            query[:, :, a:e], key[:, :, lo:e], value[:, :, lo:e], attn_mask=see, dropout_p=dropout, scale=scale
+        )
     return out.transpose(1, 2).contiguous()
 
 
@@ -323,11 +326,14 @@ def _masked_attention(module, query, key, value, attention_mask, dropout: float 
         dropout = 0.0
     scale = float(scaling) if scaling is not None else d**-0.5
     if state.ranks is not None and layer not in state.ranks:  # a sliding layer: its own window, no eviction
-        return _sliding_attention(query, key, value, attention_mask, state.sliding_window, scale, dropout,
-                                  state.query_block), None  # fmt: skip
+        return _sliding_attention(
+            query, key, value, attention_mask, state.sliding_window, scale, dropout, state.query_block
+        ), None
     if kwargs.get("sliding_window") is not None and S > kwargs["sliding_window"]:
-        raise ValueError(f"layer {layer} uses sliding-window attention ({kwargs['sliding_window']} < S={S}), but the "
-                         "model's config names no sliding layer")  # fmt: skip
+        raise ValueError(
+            f"layer {layer} uses sliding-window attention ({kwargs['sliding_window']} < S={S}), but the "
+            "model's config names no sliding layer"
+        )
     pos = logical_positions(attention_mask, b, S, device=query.device)
     layer = layer if state.ranks is None else state.ranks[layer]  # what priority_fn and keep_leave count
 
@@ -413,9 +419,16 @@ def masked_eviction(
     shape = attention_shape(model.config)
     hybrid = len(shape.bounded) < shape.num_layers
     state = MaskedEvictionState(
-        priority_fn, sinks, window, k, query_block, backend, keep_leave, {} if keep_leave else None,
+        priority_fn,
+        sinks,
+        window,
+        k,
+        query_block,
+        backend,
+        keep_leave,
+        {} if keep_leave else None,
         ranks={layer: r for r, layer in enumerate(shape.bounded)} if hybrid else None,
         sliding_window=shape.sliding_window if hybrid else None,
-    )  # fmt: skip
+    )
     with attention_implementation(model, MASK_ATTN_NAME, _ACTIVE, state):
         yield state

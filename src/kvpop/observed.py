@@ -21,8 +21,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["observed_attention", "observed_attention_windows", "observed_counts", "observed_features",
-           "observed_sums", "observed_windows", "ring_contrib"]
+__all__ = [
+    "observed_attention",
+    "observed_attention_windows",
+    "observed_counts",
+    "observed_features",
+    "observed_sums",
+    "observed_windows",
+    "ring_contrib",
+]
 
 
 def observed_windows(window: int, obs_windows: Sequence[int | None]) -> list[int]:
@@ -105,8 +112,9 @@ def observed_attention_windows(
         bq = e - a
         lo = max(s, a - w_max + 1)  # the non-sink keys any query of the block may see: lo .. e - 1
         dq = torch.arange(a, e, device=dev)
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, a:e],
-                              torch.cat([kf[:, :, :s], kf[:, :, lo:e]], 2)) * scale  # fmt: skip
+        logits = (
+            torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, a:e], torch.cat([kf[:, :, :s], kf[:, :, lo:e]], 2)) * scale
+        )
         n = e - lo
         x = logits.new_full((b, hk, g, bq, 1 + n), float("-inf"))  # column 0: no key (its exp is 0)
         x[..., 1:] = logits[..., s:]

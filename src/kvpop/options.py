@@ -19,8 +19,18 @@ from pathlib import Path
 
 from .files import json_safe
 
-__all__ = ["DEFAULT_POLICY", "GENERATE_POLICIES", "add_run_arguments", "budget_range_arg", "config_kwargs", "ints",
-           "load_model_quietly", "model_position_limit", "policy_for_scorer", "run_training_command"]  # fmt: skip
+__all__ = [
+    "DEFAULT_POLICY",
+    "GENERATE_POLICIES",
+    "add_run_arguments",
+    "budget_range_arg",
+    "config_kwargs",
+    "ints",
+    "load_model_quietly",
+    "model_position_limit",
+    "policy_for_scorer",
+    "run_training_command",
+]
 
 # The policy names a command line offers, readable without importing torch (kvpop.policies imports it):
 # kvpop.policies.policy_names(teacher_forced=False) and kvpop.policies.DEFAULT_POLICY, which
@@ -42,23 +52,47 @@ def budget_range_arg(text: str) -> tuple[int, int]:
     return lo_hi
 
 
-def add_run_arguments(p: argparse.ArgumentParser, defaults, *, texts: str, corpora: tuple[str, ...],
-                      range_help: str, int_fields: tuple[str, ...], float_fields: tuple[str, ...]) -> None:
+def add_run_arguments(
+    p: argparse.ArgumentParser,
+    defaults,
+    *,
+    texts: str,
+    corpora: tuple[str, ...],
+    range_help: str,
+    int_fields: tuple[str, ...],
+    float_fields: tuple[str, ...],
+) -> None:
     """The arguments ``kvpop train`` and ``kvpop adapt`` share: the model, the data (``texts``: what the
     command does with them, e.g. "train on"), the budgets, validation budgets, the numeric fields of
     ``defaults`` (a config) named in ``int_fields`` / ``float_fields``, the device and progress."""
     p.add_argument("--model", default=None, help="local HF folder or .gguf (default: embedded SmolLM2)")
-    p.add_argument("--corpora", default=",".join(corpora),
-                   help="comma-separated training corpora (kvpop.data; default keeps paul_graham and python_code "
-                        "out, for the out-of-domain evaluation)")  # fmt: skip
+    p.add_argument(
+        "--corpora",
+        default=",".join(corpora),
+        help="comma-separated training corpora (kvpop.data; default keeps paul_graham and python_code "
+        "out, for the out-of-domain evaluation)",
+    )
     p.add_argument("--docs-from", default=None, help=f"{texts} your own texts: a folder of .txt or a .jsonl")
-    p.add_argument("--budgets", type=ints, default=defaults.budgets,
-                   help="comma-separated budgets B; one is drawn per step (default 512)")
+    p.add_argument(
+        "--budgets",
+        type=ints,
+        default=defaults.budgets,
+        help="comma-separated budgets B; one is drawn per step (default 512)",
+    )
     p.add_argument("--budget", type=int, default=None, help="a single budget (same as --budgets B)")
-    p.add_argument("--budget-range", type=budget_range_arg, default=None, metavar="LO,HI",
-                   help="draw B log-uniformly from [LO, HI] at every step instead of --budgets " + range_help)
-    p.add_argument("--val-budgets", type=ints, default=(),
-                   help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)")
+    p.add_argument(
+        "--budget-range",
+        type=budget_range_arg,
+        default=None,
+        metavar="LO,HI",
+        help="draw B log-uniformly from [LO, HI] at every step instead of --budgets " + range_help,
+    )
+    p.add_argument(
+        "--val-budgets",
+        type=ints,
+        default=(),
+        help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)",
+    )
     for name in int_fields:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     for name in float_fields:
@@ -136,9 +170,15 @@ def model_position_limit(name_or_path: str | os.PathLike | None) -> tuple[int, P
     return (limit, config) if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
-def run_training_command(prog: str, argv: list[str] | None, parser: argparse.ArgumentParser,
-                         make_config: Callable, run: Callable[..., dict], report: Callable[[dict], dict],
-                         config_errors: tuple[type[Exception], ...] = (TypeError, ValueError)) -> int:  # fmt: skip
+def run_training_command(
+    prog: str,
+    argv: list[str] | None,
+    parser: argparse.ArgumentParser,
+    make_config: Callable,
+    run: Callable[..., dict],
+    report: Callable[[dict], dict],
+    config_errors: tuple[type[Exception], ...] = (TypeError, ValueError),
+) -> int:
     """Parse ``argv``, build and validate the config (bad input: one line, exit 2, before any model
     loads), ``run`` it (a ``ValueError`` or ``OSError`` -- another run's folder, an unwritable
     ``--out``, a full disk -- is one line and exit 2 too), print ``report(summary)`` as JSON on rank

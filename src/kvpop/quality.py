@@ -38,10 +38,29 @@ from tqdm.auto import tqdm
 from .cache import make_cache
 from .compat import cache_kwargs
 
-__all__ = ["CHUNK", "DenseOutputs", "DocumentScore", "Probe", "Scores", "Sums", "compare", "continuation_start",
-           "decoder_and_head", "default_continuation_tokens", "dense_logprobs", "doc_key", "hidden_states",
-           "lm_start", "logits_of", "position_stats", "score_document", "sums_from_logits", "sums_over",
-           "tally", "wins"]  # fmt: skip
+__all__ = [
+    "CHUNK",
+    "DenseOutputs",
+    "DocumentScore",
+    "Probe",
+    "Scores",
+    "Sums",
+    "compare",
+    "continuation_start",
+    "decoder_and_head",
+    "default_continuation_tokens",
+    "dense_logprobs",
+    "doc_key",
+    "hidden_states",
+    "lm_start",
+    "logits_of",
+    "position_stats",
+    "score_document",
+    "sums_from_logits",
+    "sums_over",
+    "tally",
+    "wins",
+]
 
 CHUNK = 256  # positions per LM-head call
 
@@ -161,8 +180,16 @@ class Sums:
         """nll (per token), ppl, retention = ppl_dense / ppl_policy, mean KL(dense||policy), top-1 agreement."""
         if self.n == 0:
             nan = float("nan")
-            return {"n_tokens": 0, "nll_dense": nan, "nll_policy": nan, "ppl_dense": nan, "ppl_policy": nan,
-                    "retention": nan, "kl": nan, "top1_agreement": nan}  # fmt: skip
+            return {
+                "n_tokens": 0,
+                "nll_dense": nan,
+                "nll_policy": nan,
+                "ppl_dense": nan,
+                "ppl_policy": nan,
+                "retention": nan,
+                "kl": nan,
+                "top1_agreement": nan,
+            }
         nd, npol = self.nll_dense / self.n, self.nll_policy / self.n
         return {
             "n_tokens": self.n,
@@ -215,16 +242,24 @@ def sums_from_logits(dense_logits: Tensor, policy_logits: Tensor, targets: Tenso
 def dense_logprobs(model, dense_hidden: Tensor, lo: int, hi: int, chunk: int = CHUNK) -> Tensor:
     """float64 log-softmax ``[hi - lo, V]`` of the dense logits at positions ``[lo, hi)`` (kept per
     document so that each policy's metrics need one LM-head pass, not two)."""
-    parts = [F.log_softmax(logits_of(model, dense_hidden[a : min(hi, a + chunk)]).double(), -1)
-             for a in range(lo, hi, chunk)]  # fmt: skip
+    parts = [
+        F.log_softmax(logits_of(model, dense_hidden[a : min(hi, a + chunk)]).double(), -1) for a in range(lo, hi, chunk)
+    ]
     return torch.cat(parts) if parts else torch.zeros(0, 0, dtype=torch.float64)
 
 
 @torch.no_grad()
 def position_stats(
-    model, dense_hidden: Tensor, policy_hidden: Tensor, input_ids: Tensor, lo: int, hi: int, chunk: int = CHUNK,
-    dense_logp: Tensor | None = None, dense_lo: int = 0,
-) -> dict[str, Tensor]:  # fmt: skip
+    model,
+    dense_hidden: Tensor,
+    policy_hidden: Tensor,
+    input_ids: Tensor,
+    lo: int,
+    hi: int,
+    chunk: int = CHUNK,
+    dense_logp: Tensor | None = None,
+    dense_lo: int = 0,
+) -> dict[str, Tensor]:
     """Per position ``p`` in ``[lo, hi)`` (position ``p`` predicts token ``p + 1``), float64 vectors:
     ``nll_dense``, ``nll_policy``, ``kl`` (KL(dense || policy)) and ``top1`` (argmax agreement);
     ``model``'s LM head scores both hidden states. ``dense_logp``: :func:`dense_logprobs` from position
@@ -293,9 +328,17 @@ class DocumentScore:
 
 
 @torch.no_grad()
-def score_document(model, input_ids: Tensor, reference_hidden: Tensor, hidden: Tensor, budget: int,
-                   continuation_tokens: int | None = None, *, dense_logp: Tensor | None = None,
-                   dense_lo: int = 0) -> DocumentScore:  # fmt: skip
+def score_document(
+    model,
+    input_ids: Tensor,
+    reference_hidden: Tensor,
+    hidden: Tensor,
+    budget: int,
+    continuation_tokens: int | None = None,
+    *,
+    dense_logp: Tensor | None = None,
+    dense_lo: int = 0,
+) -> DocumentScore:
     """One document's ``lm`` (from :func:`lm_start`) and ``continuation`` (the last
     ``continuation_tokens`` predictions, default :func:`default_continuation_tokens`) from its hidden
     states under a policy (``hidden``) against the reference's (``reference_hidden``), ``model``'s LM
@@ -304,8 +347,9 @@ def score_document(model, input_ids: Tensor, reference_hidden: Tensor, hidden: T
     n = default_continuation_tokens(S) if continuation_tokens is None else continuation_tokens
     lm_from, cont_from = lm_start(S, budget), continuation_start(S, n)
     lo = min(lm_from, cont_from)
-    stats = position_stats(model, reference_hidden, hidden, input_ids, lo, S - 1, dense_logp=dense_logp,
-                           dense_lo=dense_lo)  # fmt: skip
+    stats = position_stats(
+        model, reference_hidden, hidden, input_ids, lo, S - 1, dense_logp=dense_logp, dense_lo=dense_lo
+    )
     return DocumentScore(lo, stats, lm_from, cont_from)
 
 
@@ -355,8 +399,10 @@ class Scores:
 
     def per_doc_rows(self, key: str = "corpus") -> list[dict]:
         """One row per document, ``{key: label, "retention": lm, "continuation": continuation}``."""
-        return [{key: label, "retention": lm, "continuation": cont}
-                for label, lm, cont in zip(self.labels, self.per_doc("lm"), self.per_doc("continuation"), strict=True)]
+        return [
+            {key: label, "retention": lm, "continuation": cont}
+            for label, lm, cont in zip(self.labels, self.per_doc("lm"), self.per_doc("continuation"), strict=True)
+        ]
 
 
 class Probe:
@@ -367,8 +413,12 @@ class Probe:
     a function of the document length (default :func:`default_continuation_tokens`).
     """
 
-    def __init__(self, docs: list[tuple[str, Tensor]], reference: Callable[[Tensor], Tensor],
-                 continuation_tokens: Callable[[int], int] = default_continuation_tokens) -> None:  # fmt: skip
+    def __init__(
+        self,
+        docs: list[tuple[str, Tensor]],
+        reference: Callable[[Tensor], Tensor],
+        continuation_tokens: Callable[[int], int] = default_continuation_tokens,
+    ) -> None:
         self.docs = [(label, ids.view(-1).cpu()) for label, ids in docs]
         self.reference = reference
         self.continuation_tokens = continuation_tokens
@@ -391,6 +441,9 @@ class Probe:
         for i, (_, ids) in enumerate(docs):
             cache = None if policy is None else make_cache(model, policy, budget=budget, **cache_kwargs)
             hidden = hidden_states(model, ids, cache)
-            out.append(score_document(model, ids, self.reference_hidden(i), hidden, budget,
-                                      self.continuation_tokens(ids.numel())))  # fmt: skip
+            out.append(
+                score_document(
+                    model, ids, self.reference_hidden(i), hidden, budget, self.continuation_tokens(ids.numel())
+                )
+            )
         return Scores([label for label, _ in self.docs], out)

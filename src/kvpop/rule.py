@@ -122,7 +122,9 @@ def decide_chunk(
         order = torch.sort(idx, dim=-1, descending=True, stable=True).indices
         order = order.gather(-1, torch.sort(key_prio.gather(-1, order), dim=-1, stable=True).indices)
         order = order.gather(-1, torch.sort(valid.gather(-1, order).to(torch.int8), dim=-1, stable=True).indices)
-        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=idx.device).expand_as(order))
+        rank = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(order.shape[-1], device=idx.device).expand_as(order)
+        )
         # held candidates ranked above each candidate: suffix counts in sorted order
         old_sorted = (~is_exit & valid).gather(-1, order).long()
         above_sorted = old_sorted.flip(-1).cumsum(-1).flip(-1) - old_sorted

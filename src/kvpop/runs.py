@@ -46,8 +46,20 @@ from tqdm.auto import tqdm
 from .checkpoint import fingerprint_diff
 from .files import check_writable_dir, clean_leftovers, write_json
 
-__all__ = ["STATE_FILE", "Program", "Run", "RunSettings", "check_in_sync", "cosine_schedule", "digest",
-           "dist_setup", "plain", "read_state", "resume_mismatch", "write_state"]  # fmt: skip
+__all__ = [
+    "STATE_FILE",
+    "Program",
+    "Run",
+    "RunSettings",
+    "check_in_sync",
+    "cosine_schedule",
+    "digest",
+    "dist_setup",
+    "plain",
+    "read_state",
+    "resume_mismatch",
+    "write_state",
+]
 
 STATE_FILE = "train_state.pt"  # what a resume reads (the name predates kvpop adapt, which uses it too)
 # resume-view keys that hash a file's content, and the config field that names the file
@@ -90,8 +102,10 @@ def plain(obj: Any, where: str = "state") -> Any:
     if isinstance(obj, (list, tuple)):
         items = [plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
         return tuple(items) if isinstance(obj, tuple) else items
-    raise TypeError(f"{where} holds a {kind.__module__}.{kind.__qualname__}: a run state holds tensors and plain "
-                    "Python values only, so that reading it back runs no code")  # fmt: skip
+    raise TypeError(
+        f"{where} holds a {kind.__module__}.{kind.__qualname__}: a run state holds tensors and plain "
+        "Python values only, so that reading it back runs no code"
+    )
 
 
 def write_state(path: str | os.PathLike, state: dict) -> None:
@@ -107,8 +121,10 @@ def read_state(path: str | os.PathLike) -> dict:
     those could run any code."""
     path = Path(path)
     corrupt = f"{path} is empty/truncated or corrupt: remove it to start over or use another --out"
-    unsafe = (f"{path} cannot be loaded safely: it holds pickled Python objects, not only tensors and plain values "
-              "(written by an older kvpop, or not by kvpop); start a new --out folder")  # fmt: skip
+    unsafe = (
+        f"{path} cannot be loaded safely: it holds pickled Python objects, not only tensors and plain values "
+        "(written by an older kvpop, or not by kvpop); start a new --out folder"
+    )
     if path.stat().st_size == 0:
         raise ValueError(corrupt)
     if not zipfile.is_zipfile(path):  # kvpop writes torch's zip format; the legacy one is a bare pickle
@@ -236,7 +252,9 @@ class Run:
         self.name, self.cfg = name, cfg
         self.rank, self.world = dist_setup(cfg.device)
         if cfg.batch_size % self.world:
-            raise ValueError(f"batch_size={cfg.batch_size} must be a multiple of the number of processes ({self.world})")
+            raise ValueError(
+                f"batch_size={cfg.batch_size} must be a multiple of the number of processes ({self.world})"
+            )
         self.out = Path(out)
         self.state_file = self.out / STATE_FILE
         self.step, self.history = 0, []
@@ -253,18 +271,24 @@ class Run:
         saved, now = blob.get("resume") or {}, self.cfg.resume_view()
         # a file the run trains under is compared by content (a path says nothing of what it holds)
         changed = [k for k in CONTENT_KEYS if None not in (saved.get(k), now.get(k)) and saved[k] != now[k]]
-        diff = resume_mismatch({k: v for k, v in saved.items() if k not in changed},
-                               {k: v for k, v in now.items() if k not in changed})  # fmt: skip
+        diff = resume_mismatch(
+            {k: v for k, v in saved.items() if k not in changed}, {k: v for k, v in now.items() if k not in changed}
+        )
         if changed:
             key = changed[0]
             field = CONTENT_KEYS[key]
             also = f" (other settings differ too: {'; '.join(diff)})" if diff else ""
-            raise ValueError(f"{self.out} holds a run that started from another {field}: {getattr(self.cfg, field)} is "
-                             f"not the file it started with (sha256 {now[key]} here, {saved[key]} in the run); use "
-                             f"that file, or another --out{also}")  # fmt: skip
+            raise ValueError(
+                f"{self.out} holds a run that started from another {field}: {getattr(self.cfg, field)} is "
+                f"not the file it started with (sha256 {now[key]} here, {saved[key]} in the run); use "
+                f"that file, or another --out{also}"
+            )
         if diff:
-            raise ValueError(f"{self.out} holds a run with other settings; use another --out or the same settings ("
-                             + "; ".join(diff) + ")")  # fmt: skip
+            raise ValueError(
+                f"{self.out} holds a run with other settings; use another --out or the same settings ("
+                + "; ".join(diff)
+                + ")"
+            )
         return blob
 
     def prepare_folder(self) -> None:
@@ -280,9 +304,11 @@ class Run:
         self.fingerprint = fingerprint
         diff = fingerprint_diff(saved or {}, fingerprint) if saved is not None else {}
         if diff:
-            raise ValueError(f"{self.out} holds a run on a different model: the model changed ("
-                             f"{', '.join(sorted(diff))} differ from the run's); use another --out, or the model it "
-                             "was started with")  # fmt: skip
+            raise ValueError(
+                f"{self.out} holds a run on a different model: the model changed ("
+                f"{', '.join(sorted(diff))} differ from the run's); use another --out, or the model it "
+                "was started with"
+            )
 
     def restore(self, blob: dict) -> None:
         """Step, history and best of a checkpoint (the program restores its own weights)."""
@@ -292,13 +318,21 @@ class Run:
 
     def state(self, **parts) -> dict:
         """A checkpoint's state: the program's ``parts`` and what every checkpoint holds."""
-        return {**parts, "step": self.step, "history": self.history, "best": self.best, "config": asdict(self.cfg),
-                "resume": self.cfg.resume_view(), "fingerprint": self.fingerprint}  # fmt: skip
+        return {
+            **parts,
+            "step": self.step,
+            "history": self.history,
+            "best": self.best,
+            "config": asdict(self.cfg),
+            "resume": self.cfg.resume_view(),
+            "fingerprint": self.fingerprint,
+        }
 
     def write_failed(self, exc: OSError, step: int, whole: str) -> OSError:
         """The error of a failed checkpoint write: which step, and what is still whole (``whole``)."""
-        return OSError(exc.errno, f"writing the step-{step} checkpoint to {self.out} failed ({exc.strerror or exc}); "
-                       f"{whole}")  # fmt: skip
+        return OSError(
+            exc.errno, f"writing the step-{step} checkpoint to {self.out} failed ({exc.strerror or exc}); {whole}"
+        )
 
     def loop(self, program: Program, desc: str) -> None:
         """Run the remaining steps of ``program`` (see the module docstring for the schedule)."""
@@ -333,10 +367,16 @@ class Run:
         retention yet is null, not -Infinity)."""
         cfg = self.cfg
         summary = {
-            "steps": self.step, "tokens_seen": self.step * cfg.batch_size * cfg.seq_len,
-            "seconds_this_process": self.seconds, **timing, "history": self.history, "best": self.best,
-            "config": asdict(cfg), "trained_for": trained_for, **(extra or {}),
-        }  # fmt: skip
+            "steps": self.step,
+            "tokens_seen": self.step * cfg.batch_size * cfg.seq_len,
+            "seconds_this_process": self.seconds,
+            **timing,
+            "history": self.history,
+            "best": self.best,
+            "config": asdict(cfg),
+            "trained_for": trained_for,
+            **(extra or {}),
+        }
         if self.rank == 0:
             write_json(self.out / "summary.json", summary)
         return summary

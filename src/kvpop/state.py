@@ -44,18 +44,31 @@ class LayerState:
 
     # every per-row tensor and the value of an empty slot / fresh row: the one list that
     # allocation, reordering and reset go through
-    ROWS: ClassVar[dict[str, float]] = {"k": 0.0, "v": 0.0, "slot_index": -1, "lr_prio": -math.inf,
-                                        "observed": 0.0, "n_real": 0}  # fmt: skip
+    ROWS: ClassVar[dict[str, float]] = {
+        "k": 0.0,
+        "v": 0.0,
+        "slot_index": -1,
+        "lr_prio": -math.inf,
+        "observed": 0.0,
+        "n_real": 0,
+    }
 
     @classmethod
     def empty(cls, cfg: EvictionConfig, n_obs: int, keys: Tensor, values: Tensor, policy_state=None) -> LayerState:
         """Empty slots for the rows, heads, dims, dtype and device of a layer's first ``keys``/``values``."""
         b, h, _, d = keys.shape
         n, dev = cfg.budget, keys.device
-        shapes = {"k": ((b, h, n + 1, d), keys.dtype), "v": ((b, h, n + 1, values.shape[-1]), values.dtype),
-                  "slot_index": ((b, h, n + 1), torch.long), "lr_prio": ((b, h, cfg.k + 1), torch.float32),
-                  "observed": ((b, h, cfg.window, max(1, n_obs)), torch.float32), "n_real": ((b,), torch.long)}  # fmt: skip
-        made = {name: torch.full(shape, cls.ROWS[name], dtype=dtype, device=dev) for name, (shape, dtype) in shapes.items()}
+        shapes = {
+            "k": ((b, h, n + 1, d), keys.dtype),
+            "v": ((b, h, n + 1, values.shape[-1]), values.dtype),
+            "slot_index": ((b, h, n + 1), torch.long),
+            "lr_prio": ((b, h, cfg.k + 1), torch.float32),
+            "observed": ((b, h, cfg.window, max(1, n_obs)), torch.float32),
+            "n_real": ((b,), torch.long),
+        }
+        made = {
+            name: torch.full(shape, cls.ROWS[name], dtype=dtype, device=dev) for name, (shape, dtype) in shapes.items()
+        }
         return cls(**made, policy_state=policy_state)
 
     def map_rows(self, fn: Callable[[Tensor, float], Tensor], policy_state: Any = _KEEP) -> LayerState:

@@ -33,15 +33,23 @@ from .policies import ExitBatch
 from .scorers.decode import DecodeSpec, decode_scores
 from .state import LayerState
 
-__all__ = ["StepSpec", "check_scores", "decode_exits", "decode_learned", "decode_scored", "decode_tail",
-           "exit_gather", "prefill_chunk"]
-
+__all__ = [
+    "StepSpec",
+    "check_scores",
+    "decode_exits",
+    "decode_learned",
+    "decode_scored",
+    "decode_tail",
+    "exit_gather",
+    "prefill_chunk",
+]
 
 
 def ring_offset(t: Tensor, sinks: int, window: int) -> Tensor:
     """The ring offset of token ``t`` (``t >= sinks``) in the window's ring buffer: it lives in slot
     ``sinks + ring_offset`` until the token ``window`` places later takes that slot."""
     return (t - sinks) % window
+
 
 @dataclass(frozen=True)
 class StepSpec:
@@ -97,14 +105,28 @@ def decode_exits(spec: StepSpec, kernels, layer_idx: int, st: LayerState, k_new:
     obs = st.observed if kernels.needs_attention else None
     ex_k, ex_v, ex_obs = exit_gather(spec, st.k, st.v, obs, t)
     b, h = ex_k.shape[:2]
-    batch = ExitBatch(layer_idx, ex_k, ex_v, exit_index(spec, t).view(b, 1), k_new, v_new, t.view(b, 1), ex_obs,
-                      True, spec.window)  # fmt: skip
+    batch = ExitBatch(
+        layer_idx, ex_k, ex_v, exit_index(spec, t).view(b, 1), k_new, v_new, t.view(b, 1), ex_obs, True, spec.window
+    )
     st.policy_state, prio = kernels.score(st.policy_state, batch)
     return ex_k, ex_v, prio.float().view(b, h)
 
 
-def decode_tail(spec: StepSpec, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tensor, V: Tensor, SI: Tensor,
-                LP: Tensor, OBS: Tensor | None, t: Tensor, ex_k: Tensor, ex_v: Tensor, prio: Tensor):
+def decode_tail(
+    spec: StepSpec,
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    K: Tensor,
+    V: Tensor,
+    SI: Tensor,
+    LP: Tensor,
+    OBS: Tensor | None,
+    t: Tensor,
+    ex_k: Tensor,
+    ex_v: Tensor,
+    prio: Tensor,
+):
     """Rule, writes and attention of a decode step, after scoring.
 
     ``K``/``V`` ``[b, h, B + 1, d]``, ``SI [b, h, B + 1]`` and ``LP [b, h, k + 1]`` are the layer's
@@ -142,8 +164,9 @@ def decode_tail(spec: StepSpec, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tens
     return _decode_attend(spec, q, K, V, SI, OBS, t, ring_off), t + 1
 
 
-def _decode_attend(spec: StepSpec, q: Tensor, K: Tensor, V: Tensor, SI: Tensor, OBS: Tensor | None, t: Tensor,
-                   ring_off: Tensor) -> Tensor:
+def _decode_attend(
+    spec: StepSpec, q: Tensor, K: Tensor, V: Tensor, SI: Tensor, OBS: Tensor | None, t: Tensor, ring_off: Tensor
+) -> Tensor:
     """Attention of the new token over the ``B`` slots (empty ones masked in the warm-up) and, with
     ``OBS``, the observed statistics of the window's tokens (``kvpop.observed.ring_contrib``)."""
     s, w, n = spec.sinks, spec.window, spec.budget
@@ -171,8 +194,21 @@ def _decode_attend(spec: StepSpec, q: Tensor, K: Tensor, V: Tensor, SI: Tensor, 
     return out.reshape(b, hq, 1, -1).transpose(1, 2)
 
 
-def decode_learned(spec: StepSpec, sspec: DecodeSpec, params: tuple, state, q: Tensor, k_new: Tensor,
-                   v_new: Tensor, K: Tensor, V: Tensor, SI: Tensor, LP: Tensor, OBS: Tensor | None, t: Tensor):
+def decode_learned(
+    spec: StepSpec,
+    sspec: DecodeSpec,
+    params: tuple,
+    state,
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    K: Tensor,
+    V: Tensor,
+    SI: Tensor,
+    LP: Tensor,
+    OBS: Tensor | None,
+    t: Tensor,
+):
     """The whole steady step of a learned policy: read, score (``kvpop.scorers.decode``), rule,
     writes, attention. The scorer's ``state`` (a tuple of tensors the caller owns, or None) is
     updated IN PLACE, like the buffers (:func:`decode_tail`). Returns ``(out, t + 1)``."""
@@ -184,8 +220,20 @@ def decode_learned(spec: StepSpec, sspec: DecodeSpec, params: tuple, state, q: T
     return decode_tail(spec, q, k_new, v_new, K, V, SI, LP, OBS, t, ex_k, ex_v, prio)
 
 
-def decode_scored(spec: StepSpec, score, consts: tuple, q: Tensor, k_new: Tensor, v_new: Tensor, K: Tensor,
-                  V: Tensor, SI: Tensor, LP: Tensor, OBS: Tensor | None, t: Tensor):
+def decode_scored(
+    spec: StepSpec,
+    score,
+    consts: tuple,
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    K: Tensor,
+    V: Tensor,
+    SI: Tensor,
+    LP: Tensor,
+    OBS: Tensor | None,
+    t: Tensor,
+):
     """The whole steady step of a policy with a pure score function (``Policy.steady_score``):
     read, ``score(consts, ex_k, ex_v, ex_obs, exit_index)``, rule, writes, attention. Returns
     ``(out, t + 1)``."""
@@ -243,8 +291,16 @@ def _chunk_observed(spec: StepSpec, st: LayerState, ch: _Chunk, logits: Tensor):
     return st.observed + contrib[:, :, :w], contrib[:, :, w:]
 
 
-def _chunk_scores(spec: StepSpec, kernels, layer_idx: int, st: LayerState, ch: _Chunk, k_new: Tensor,
-                  v_new: Tensor, ring_obs: Tensor | None) -> Tensor:
+def _chunk_scores(
+    spec: StepSpec,
+    kernels,
+    layer_idx: int,
+    st: LayerState,
+    ch: _Chunk,
+    k_new: Tensor,
+    v_new: Tensor,
+    ring_obs: Tensor | None,
+) -> Tensor:
     """The exiting tokens' priorities ``[b, h, c]`` (frozen now): the policy's scores + ``lam * t``."""
     s, w = spec.sinks, spec.window
     b, h, c, d = k_new.shape
@@ -254,12 +310,23 @@ def _chunk_scores(spec: StepSpec, kernels, layer_idx: int, st: LayerState, ch: _
     observed = None
     if ring_obs is not None:
         observed = ring_obs.gather(2, ch.ex_ring.view(b, 1, c, 1).expand(b, h, c, ring_obs.shape[-1]))
-    batch = ExitBatch(layer_idx=layer_idx, keys=ex_k, values=ex_v, index=ch.ex_idx, new_keys=k_new,
-                      new_values=v_new, new_index=ch.new_idx, attention=observed, window=w)  # fmt: skip
+    batch = ExitBatch(
+        layer_idx=layer_idx,
+        keys=ex_k,
+        values=ex_v,
+        index=ch.ex_idx,
+        new_keys=k_new,
+        new_values=v_new,
+        new_index=ch.new_idx,
+        attention=observed,
+        window=w,
+    )
     st.policy_state, scores = kernels.score(st.policy_state, batch)
     scores = scores.float()
     if scores.shape != (b, h, c):
-        raise RuntimeError(f"policy {kernels.name} returned scores of shape {tuple(scores.shape)}, expected {(b, h, c)}")
+        raise RuntimeError(
+            f"policy {kernels.name} returned scores of shape {tuple(scores.shape)}, expected {(b, h, c)}"
+        )
     check_scores(scores, kernels.name, layer_idx)
     return scores + spec.lam * ch.ex_idx.unsqueeze(1).float()
 
@@ -288,8 +355,9 @@ def _chunk_visible(spec: StepSpec, ch: _Chunk, lr_leave: Tensor, ex_leave: Tenso
     return torch.where(pad_q, self_key, visible)
 
 
-def _chunk_attend(q: Tensor, all_k: Tensor, all_v: Tensor, visible: Tensor, logits: Tensor | None,
-                  scaling: float) -> Tensor:
+def _chunk_attend(
+    q: Tensor, all_k: Tensor, all_v: Tensor, visible: Tensor, logits: Tensor | None, scaling: float
+) -> Tensor:
     """Each query over the slots and the chunk, as ``visible`` allows: ``[b, hq, c, d]``."""
     b, hq, c, d = q.shape
     h, nk = all_k.shape[1], all_k.shape[2]
@@ -299,13 +367,23 @@ def _chunk_attend(q: Tensor, all_k: Tensor, all_v: Tensor, visible: Tensor, logi
         out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(all_v.dtype), all_v)
         return out.reshape(b, h * g, c, -1)
     mask = visible.unsqueeze(2).expand(b, h, g, c, nk).reshape(b, h, g * c, nk)
-    out = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, h, g * c, d), all_k, all_v, attn_mask=mask,
-                                                           scale=scaling)  # fmt: skip
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(b, h, g * c, d), all_k, all_v, attn_mask=mask, scale=scaling
+    )
     return out.reshape(b, h * g, c, -1)  # CUDA kernels may return a non-contiguous layout
 
 
-def _chunk_commit(spec: StepSpec, st: LayerState, ch: _Chunk, k_new: Tensor, v_new: Tensor, ex_prio: Tensor,
-                  lr_leave: Tensor, ex_leave: Tensor, obs: tuple | None) -> None:
+def _chunk_commit(
+    spec: StepSpec,
+    st: LayerState,
+    ch: _Chunk,
+    k_new: Tensor,
+    v_new: Tensor,
+    ex_prio: Tensor,
+    lr_leave: Tensor,
+    ex_leave: Tensor,
+    obs: tuple | None,
+) -> None:
     """Write the chunk's outcome into ``st``: the long-range set, then sinks and ring, statistics, counts."""
     s, w, kk, n = spec.sinks, spec.window, spec.k, spec.budget
     b, h, c, d = k_new.shape
@@ -331,15 +409,27 @@ def _chunk_commit(spec: StepSpec, st: LayerState, ch: _Chunk, k_new: Tensor, v_n
         ring_old, new_contrib = obs
         nobs = ring_old.shape[-1]
         ring_obs = torch.cat([ring_old, ring_old.new_zeros(b, h, 1, nobs)], dim=2)
-        at = torch.where(ch.valid & (ch.new_idx >= s), ring_offset(ch.new_idx, s, w), w).view(b, 1, c, 1).expand(b, h, c, nobs)
+        at = (
+            torch.where(ch.valid & (ch.new_idx >= s), ring_offset(ch.new_idx, s, w), w)
+            .view(b, 1, c, 1)
+            .expand(b, h, c, nobs)
+        )
         ring_obs.scatter_(2, at, new_contrib)
         st.observed.copy_(ring_obs[:, :, :w])
     st.n_real = st.n_real + ch.valid.long().sum(1)
     st.min_real = int(st.n_real.min())
 
 
-def prefill_chunk(spec: StepSpec, kernels, layer_idx: int, st: LayerState, q: Tensor, k_new: Tensor,
-                  v_new: Tensor, valid: Tensor | None) -> Tensor:
+def prefill_chunk(
+    spec: StepSpec,
+    kernels,
+    layer_idx: int,
+    st: LayerState,
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    valid: Tensor | None,
+) -> Tensor:
     """Insert ``c <= window`` new tokens per row under the rule and attend; returns ``[b, hq, c, d]``.
 
     ``q [b, hq, c, d]``, ``k_new``/``v_new [b, h, c, d]``, ``valid [b, c]`` (False: left padding;
@@ -363,8 +453,9 @@ def prefill_chunk(spec: StepSpec, kernels, layer_idx: int, st: LayerState, q: Te
         obs = _chunk_observed(spec, st, ch, logits)
     ex_prio = _chunk_scores(spec, kernels, layer_idx, st, ch, k_new, v_new, None if obs is None else obs[0])
     ex_idx_h = ch.ex_idx.unsqueeze(1).expand_as(ex_prio)
-    lr_leave, ex_leave = rule.decide_chunk(st.long_range_prio, st.held[:, :, spec.sinks + spec.window :], ex_prio,
-                                           ex_idx_h, spec.window)  # fmt: skip
+    lr_leave, ex_leave = rule.decide_chunk(
+        st.long_range_prio, st.held[:, :, spec.sinks + spec.window :], ex_prio, ex_idx_h, spec.window
+    )
     visible = _chunk_visible(spec, ch, lr_leave, ex_leave)
     out = _chunk_attend(q, all_k, all_v, visible, logits, spec.scaling)
     _chunk_commit(spec, st, ch, k_new, v_new, ex_prio, lr_leave, ex_leave, obs)

@@ -368,9 +368,7 @@ def _flex_call(fn, aux, q, k, v, score_mod, block_mask, scale, enable_gqa):
     return lse
 
 
-def _flex(
-    q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, *, compile: bool = True
-) -> Tensor:
+def _flex(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, *, compile: bool = True) -> Tensor:
     """FlexAttention implementation.  ``compile=False`` runs flex's eager reference (which
     materialises scores; only for testing the logic on CPU at small sizes)."""
     _B, Hq, S, _D = q.shape
@@ -472,9 +470,7 @@ def future_attention(
     if m == "flex" and q.device.type != "cuda":
         raise ValueError("method='flex' needs CUDA tensors")
     if m == "fused" and not fused_available(q.dtype, q.device):
-        raise ValueError(
-            f"method='fused' needs CPU tensors of dtype in {_FUSED_DTYPES}; got {q.dtype} on {q.device}"
-        )
+        raise ValueError(f"method='fused' needs CPU tensors of dtype in {_FUSED_DTYPES}; got {q.dtype} on {q.device}")
 
     with torch.no_grad():
         if m == "dense":
@@ -560,8 +556,7 @@ def future_attention_windows(
     with torch.no_grad():
         if lse is None:
             lse = row_lse(q, k, scale=scale)
-        far = (_fused_raw(q, k, ws[-1], scale, lse) if m == "fused"
-               else _blocked_raw(q, k, ws[-1], scale, lse, 1024))  # fmt: skip
+        far = _fused_raw(q, k, ws[-1], scale, lse) if m == "fused" else _blocked_raw(q, k, ws[-1], scale, lse, 1024)
         band = _band_suffix_lse(q, k, lse, scale, ws, block)
         S, Hk = q.shape[2], k.shape[1]
         out = {ws[-1]: _finish(far, S, ws[-1], Hk)}

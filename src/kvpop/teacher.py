@@ -42,8 +42,7 @@ from torch import Tensor
 from .rule import boundary_walk
 from .validate import check_int
 
-__all__ = ["TeacherLabels", "finish_labels", "label_steps", "static_priority", "teacher_labels",
-           "validate_labels_args"]
+__all__ = ["TeacherLabels", "finish_labels", "label_steps", "static_priority", "teacher_labels", "validate_labels_args"]
 
 
 @dataclass

@@ -28,8 +28,15 @@ def check_int(name: str, value, minimum: int | None = None, *, optional: bool = 
     return value
 
 
-def check_number(name: str, value, *, minimum: float | None = None, below: float | None = None,
-                 above: float | None = None, optional: bool = True) -> float | None:  # fmt: skip
+def check_number(
+    name: str,
+    value,
+    *,
+    minimum: float | None = None,
+    below: float | None = None,
+    above: float | None = None,
+    optional: bool = True,
+) -> float | None:
     """``value`` as a finite ``float`` in range (``minimum <= value``, ``above < value < below``)."""
     if value is None and optional:
         return None
@@ -38,8 +45,11 @@ def check_number(name: str, value, *, minimum: float | None = None, below: float
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
-    if (minimum is not None and value < minimum) or (above is not None and value <= above) or \
-            (below is not None and value >= below):  # fmt: skip
+    if (
+        (minimum is not None and value < minimum)
+        or (above is not None and value <= above)
+        or (below is not None and value >= below)
+    ):
         if above is not None and below is not None:
             rng = f"in ({above:g}, {below:g})"
         elif minimum is not None:

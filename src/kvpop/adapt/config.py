@@ -23,10 +23,33 @@ KL_TAILS = ("bucket", "renormalize")
 
 # Fields that change what a checkpoint means: a resumed run must agree on them (plus the resolved
 # windows and lam, the starting scorer's content hash and the base model's fingerprint).
-RESUME_KEYS = ("mask", "joint", "corpora", "docs_from", "seq_len", "batch_size", "budgets", "budget_range", "sinks",
-               "tau",
-               "weighting", "scorer_loss", "lora_r", "lora_alpha", "lora_targets", "full_finetune", "lr",
-               "scorer_lr", "weight_decay", "steps", "top_k", "temperature", "kl_tail", "kl_positions", "seed")  # fmt: skip
+RESUME_KEYS = (
+    "mask",
+    "joint",
+    "corpora",
+    "docs_from",
+    "seq_len",
+    "batch_size",
+    "budgets",
+    "budget_range",
+    "sinks",
+    "tau",
+    "weighting",
+    "scorer_loss",
+    "lora_r",
+    "lora_alpha",
+    "lora_targets",
+    "full_finetune",
+    "lr",
+    "scorer_lr",
+    "weight_decay",
+    "steps",
+    "top_k",
+    "temperature",
+    "kl_tail",
+    "kl_positions",
+    "seed",
+)
 
 
 @dataclass
@@ -135,8 +158,9 @@ class AdaptConfig(RunSettings):
             lam, lam_scale = float(self.lam), None
         else:
             lam, lam_scale = (0.0, None) if trained is None else (trained.lam, trained.lam_scale)
-        return TrainedSettings(window=None if window is None else int(window), window_fraction=fraction, lam=lam,
-                               lam_scale=lam_scale)
+        return TrainedSettings(
+            window=None if window is None else int(window), window_fraction=fraction, lam=lam, lam_scale=lam_scale
+        )
 
     def eviction(self, budget: int) -> EvictionConfig:
         rule = self.rule()
@@ -213,12 +237,21 @@ class AdaptConfig(RunSettings):
             raise ValueError(f"window_fraction must be in (0, 1), got {self.window_fraction}")
         if self.lam is not None and (not math.isfinite(self.lam) or self.lam < 0):
             raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
-        for name in ("steps", "batch_size", "val_every", "ckpt_every", "seq_len", "top_k", "logit_chunk",
-                     "query_block", "lora_r"):  # fmt: skip
+        for name in (
+            "steps",
+            "batch_size",
+            "val_every",
+            "ckpt_every",
+            "seq_len",
+            "top_k",
+            "logit_chunk",
+            "query_block",
+            "lora_r",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        for b in (self.budget_range or self.budgets):
+        for b in self.budget_range or self.budgets:
             if b < 2:
                 raise ValueError(f"budget must be >= 2, got {b}")
             ev = self.eviction(b)  # raises for a budget below sinks + window
@@ -227,8 +260,10 @@ class AdaptConfig(RunSettings):
             if self.seq_len <= b:
                 raise ValueError(f"seq_len={self.seq_len} must exceed the budget {b} (else nothing is ever evicted)")
             if self.mask == "kvpop" and self.joint and self.seq_len < ev.sinks + 2 * ev.window + 2:
-                raise ValueError(f"seq_len={self.seq_len} too short for window={ev.window}: the scorer's labels "
-                                 "need > sinks + 2 * window")  # fmt: skip
+                raise ValueError(
+                    f"seq_len={self.seq_len} too short for window={ev.window}: the scorer's labels "
+                    "need > sinks + 2 * window"
+                )
         if self.val_docs < 0:
             raise ValueError(f"val_docs must be >= 0, got {self.val_docs}")
         for name in ("lr", "scorer_lr", "tau", "temperature"):

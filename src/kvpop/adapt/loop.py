@@ -114,8 +114,14 @@ def _log_rest(lse_all: torch.Tensor, lse_top: torch.Tensor) -> torch.Tensor:
     return torch.log(-torch.expm1((lse_top - lse_all).clamp(max=-1e-7)))
 
 
-def topk_kl(student_logits: torch.Tensor, t_vals: torch.Tensor, t_idx: torch.Tensor, t_lse: torch.Tensor | None = None,
-            temperature: float = 1.0, tail: str = "bucket") -> torch.Tensor:  # fmt: skip
+def topk_kl(
+    student_logits: torch.Tensor,
+    t_vals: torch.Tensor,
+    t_idx: torch.Tensor,
+    t_lse: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    tail: str = "bucket",
+) -> torch.Tensor:
     """Per-position KL of the teacher's next-token distribution from the student's, from the
     teacher's top-``k`` logits only (``t_vals`` already divided by ``temperature``).
 
@@ -158,8 +164,7 @@ def student_step(model, ids, t_vals, t_idx, t_lse, *, priority_fn, ev, cfg: Adap
     kls = []
     model.train()  # (no dropout in the supported models; needed for gradient checkpointing)
     try:
-        with masked_eviction(model, priority_fn, sinks=ev.sinks, window=ev.window, k=ev.k,
-                             query_block=cfg.query_block):  # fmt: skip
+        with masked_eviction(model, priority_fn, sinks=ev.sinks, window=ev.window, k=ev.k, query_block=cfg.query_block):
             hidden = dec(input_ids=ids, use_cache=False).last_hidden_state
             h = hidden.detach().requires_grad_(True)
             for a in range(0, S, cfg.logit_chunk):
@@ -194,8 +199,19 @@ def scorer_step(scorer, ex: Example, ev, cfg: AdaptConfig) -> float:
     losses = []
     for i in range(ex.keys.shape[0]):
         sc = scorer.forward_layer(i, ex.keys[i], ex.values[i], w, observed=None if obs is None else obs[i])
-        losses.append(layer_loss(sc, ex.targets[w], lab, i, loss=cfg.scorer_loss, lam=ev.lam, tau=cfg.tau,
-                                 weighting=cfg.weighting, window=w))  # fmt: skip
+        losses.append(
+            layer_loss(
+                sc,
+                ex.targets[w],
+                lab,
+                i,
+                loss=cfg.scorer_loss,
+                lam=ev.lam,
+                tau=cfg.tau,
+                weighting=cfg.weighting,
+                window=w,
+            )
+        )
     loss = torch.stack(losses).mean()
     loss.backward()
     scorer.eval()
@@ -243,20 +259,28 @@ def bundle_meta(cfg: AdaptConfig, step: int, quality: dict | None = None) -> dic
         "steps": step,
         "tokens_seen": step * cfg.batch_size * cfg.seq_len,
         "corpora": list(cfg.corpora) if not cfg.docs_from else ["user:" + str(cfg.docs_from)],
-        "adapter": {"full_finetune": True} if cfg.full_finetune else {
+        "adapter": {"full_finetune": True}
+        if cfg.full_finetune
+        else {
             "lora_r": cfg.lora_r,
             "lora_alpha": cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_r,
             "lora_targets": list(cfg.lora_targets),
         },
         "loss": {
-            "kl": "top-k", "kl_tail": cfg.kl_tail, "top_k": cfg.top_k, "temperature": cfg.temperature,
-            "kl_positions": cfg.kl_positions, "scorer_loss": cfg.scorer_loss, "weighting": cfg.weighting,
+            "kl": "top-k",
+            "kl_tail": cfg.kl_tail,
+            "top_k": cfg.top_k,
+            "temperature": cfg.temperature,
+            "kl_positions": cfg.kl_positions,
+            "scorer_loss": cfg.scorer_loss,
+            "weighting": cfg.weighting,
         },
         "trained_from": {
-            "scorer": cfg.scorer, "scorer_sha256": cfg.scorer_sha256(),
+            "scorer": cfg.scorer,
+            "scorer_sha256": cfg.scorer_sha256(),
             "scorer_steps": cfg.scorer_header().get("meta", {}).get("steps"),
         },
-    }  # fmt: skip
+    }
     if quality is not None:
         meta["validation"] = strip_per_doc(quality)
     return meta
@@ -299,8 +323,9 @@ class Adaptation:
     (and, ``joint``, the boundary loss into the scorer), validation against the base model's dense
     outputs, adapter bundles as checkpoints."""
 
-    def __init__(self, run: Run, cfg: AdaptConfig, model, tokenizer, scorer, blob: dict | None,
-                 start: BundleStart | None = None) -> None:
+    def __init__(
+        self, run: Run, cfg: AdaptConfig, model, tokenizer, scorer, blob: dict | None, start: BundleStart | None = None
+    ) -> None:
         self.run, self.cfg, self.tokenizer, self.scorer = run, cfg, tokenizer, scorer
         self.device = torch.device(cfg.device)
         if run.rank == 0:
@@ -324,8 +349,13 @@ class Adaptation:
             self.probe = AdaptProbe(self.model, tokenizer, cfg, frozen=self.frozen)
             # where the run starts from: the base model under the mask's policy with the scorer as loaded
             stored = blob.get("baseline") if blob is not None else start.baseline if start is not None else None
-            self.baseline = stored if stored else self.probe.baseline(scorer) if start is None else \
-                self._baseline_without_adapter(scorer)  # fmt: skip
+            self.baseline = (
+                stored
+                if stored
+                else self.probe.baseline(scorer)
+                if start is None
+                else self._baseline_without_adapter(scorer)
+            )
         self.validates = self.probe is not None
         if blob is not None:
             self._restore(blob)
@@ -341,8 +371,9 @@ class Adaptation:
         named = dict(trainable(self.model))
         missing = set(blob["trainable"]) ^ set(named)
         if missing:
-            raise ValueError(f"{self.run.state_file} does not match this model's trainable weights "
-                             f"({sorted(missing)[:3]} ...)")  # fmt: skip
+            raise ValueError(
+                f"{self.run.state_file} does not match this model's trainable weights ({sorted(missing)[:3]} ...)"
+            )
         with torch.no_grad():
             for n, t in blob["trainable"].items():
                 named[n].copy_(t)
@@ -371,8 +402,11 @@ class Adaptation:
         self.run.step = start.step
         self.restarts.append(start.record())
         if self.run.rank == 0 and self.cfg.progress:
-            print(f"[kvpop adapt] continuing from step {start.step} of {start.path} (its LoRA weights; the optimizer "
-                  "moments start from zero)", file=sys.stderr)  # fmt: skip
+            print(
+                f"[kvpop adapt] continuing from step {start.step} of {start.path} (its LoRA weights; the optimizer "
+                "moments start from zero)",
+                file=sys.stderr,
+            )
 
     def _baseline_without_adapter(self, scorer) -> dict:
         """The un-adapted baseline of a run that starts from a bundle: measured with the adapter off."""
@@ -424,17 +458,27 @@ class Adaptation:
             self.s_opt.step()
             self.s_sched.step()
         if world > 1:  # the logged losses are the whole batch's (all ranks)
-            logged = torch.tensor([rec["kl"], rec["kl_evicted"], rec["kl_before_budget"], s_loss or 0.0],
-                                  dtype=torch.float64, device=self.device)  # fmt: skip
+            logged = torch.tensor(
+                [rec["kl"], rec["kl_evicted"], rec["kl_before_budget"], s_loss or 0.0],
+                dtype=torch.float64,
+                device=self.device,
+            )
             dist.all_reduce(logged)
             logged = (logged / world).tolist()
             rec = {"kl": logged[0], "kl_evicted": logged[1], "kl_before_budget": logged[2]}
             s_loss = logged[3] if s_loss is not None else None
         for key, dt in zip(self.seconds, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             self.seconds[key] += dt
-        return {"step": step + 1, **rec, "scorer_loss": s_loss, "lr": self.sched.get_last_lr()[0], "budget": budget,
-                "corpora": corpora, "seconds": t4 - t0,
-                "peak_rss_mib_after": {k: round(v, 1) for k, v in rss.items()}}  # fmt: skip
+        return {
+            "step": step + 1,
+            **rec,
+            "scorer_loss": s_loss,
+            "lr": self.sched.get_last_lr()[0],
+            "budget": budget,
+            "corpora": corpora,
+            "seconds": t4 - t0,
+            "peak_rss_mib_after": {k: round(v, 1) for k, v in rss.items()},
+        }
 
     def validate(self, step: int) -> dict:
         self.last_quality = {"step": step, **self.probe(self.scorer)}
@@ -456,18 +500,21 @@ class Adaptation:
         run, train_scorer = self.run, self.train_scorer
         state = run.state(
             trainable={n: p.detach().cpu().clone() for n, p in trainable(self.model)},
-            optimizer=self.opt.state_dict(), scheduler=self.sched.state_dict(),
+            optimizer=self.opt.state_dict(),
+            scheduler=self.sched.state_dict(),
             scorer=self.scorer.state_dict() if self.scorer is not None else None,
             scorer_optimizer=self.s_opt.state_dict() if train_scorer else None,
             scorer_scheduler=self.s_sched.state_dict() if train_scorer else None,
-            baseline=self.baseline, restarts=self.restarts,
-        )  # fmt: skip
+            baseline=self.baseline,
+            restarts=self.restarts,
+        )
         try:
             atomic_write(run.state_file, lambda tmp: write_state(tmp, state))
             save_bundle(self.model, self.scorer, run.out / "adapter", self.cfg, step, self.tokenizer, self.last_quality)
         except OSError as exc:
-            raise run.write_failed(exc, step, f"{run.state_file.name} and adapter/ there are each whole (resume "
-                                   "reads the former)") from exc
+            raise run.write_failed(
+                exc, step, f"{run.state_file.name} and adapter/ there are each whole (resume reads the former)"
+            ) from exc
 
 
 def adapt(cfg: AdaptConfig, model=None, tokenizer=None) -> dict:

@@ -102,8 +102,15 @@ class AdaptProbe:
     corpora, so each shard spans them); :func:`merge_validations` pools the shards' reports into the
     unsharded one, so a validation of an hour can run on several cores at once."""
 
-    def __init__(self, model, tokenizer, cfg: AdaptConfig, frozen=None, n_docs: int | None = None,
-                 shard: tuple[int, int] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        cfg: AdaptConfig,
+        frozen=None,
+        n_docs: int | None = None,
+        shard: tuple[int, int] | None = None,
+    ) -> None:
         self.model, self.frozen, self.cfg = model, frozen, cfg
         n = cfg.val_docs if n_docs is None else n_docs
         i, k = parse_shard(shard) or (1, 1)
@@ -137,9 +144,16 @@ class AdaptProbe:
             d: Scores = self.probe.score(m, None, 0, progress="validation dense" if cfg.progress else None)  # vs base
             for b in budgets:
                 out[str(b)]["dense_retention"] = d.lm(start=b).retention
-            rows = [{"corpus": label, "retention": doc.lm.retention, "continuation": doc.continuation.retention,
-                     "window": j, "sums": {"all": asdict(doc.lm), **{str(b): asdict(doc.sums(b)) for b in budgets}}}
-                    for label, j, doc in zip(d.labels, self.windows, d.docs, strict=True)]  # fmt: skip
+            rows = [
+                {
+                    "corpus": label,
+                    "retention": doc.lm.retention,
+                    "continuation": doc.continuation.retention,
+                    "window": j,
+                    "sums": {"all": asdict(doc.lm), **{str(b): asdict(doc.sums(b)) for b in budgets}},
+                }
+                for label, j, doc in zip(d.labels, self.windows, d.docs, strict=True)
+            ]
             out["dense"] = {**_metrics(d.lm()), "per_doc": rows}
         mean = sum(out[str(b)]["retention"] for b in budgets) / len(budgets)
         out["mean_retention"] = mean if math.isfinite(mean) else float("-inf")
@@ -164,9 +178,11 @@ class AdaptProbe:
             return self._run(m, self._policy(scorer), dense=False)
 
     def describe(self, q: dict) -> str:
-        parts = [f"B={b} retention {q[str(b)]['retention']:.4f} (KL {q[str(b)]['kl']:.4f})"
-                 + (f" continuation {q[str(b)]['continuation']['retention']:.4f}" if "continuation" in q[str(b)] else "")
-                 for b in self.cfg.validation_budgets()]  # fmt: skip
+        parts = [
+            f"B={b} retention {q[str(b)]['retention']:.4f} (KL {q[str(b)]['kl']:.4f})"
+            + (f" continuation {q[str(b)]['continuation']['retention']:.4f}" if "continuation" in q[str(b)] else "")
+            for b in self.cfg.validation_budgets()
+        ]
         if "dense" in q:
             parts.append(f"adapted dense retention {q['dense']['retention']:.4f} (KL {q['dense']['kl']:.4f})")
         return ", ".join(parts) + " vs base dense"
@@ -191,9 +207,19 @@ class Comparison:
     base model (faster; equal up to float rounding).
     """
 
-    def __init__(self, base_model, bundle, budgets=None, *, streaming_bundle=None, base_scorer=None,
-                 windows: dict | None = None, sinks: int | None = None, lam: float | None = None,
-                 merge: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        base_model,
+        bundle,
+        budgets=None,
+        *,
+        streaming_bundle=None,
+        base_scorer=None,
+        windows: dict | None = None,
+        sinks: int | None = None,
+        lam: float | None = None,
+        merge: bool = False,
+    ) -> None:
         header = read_bundle_meta(bundle)
         tf = header.get("meta", {}).get("trained_for") or {}
         self.budgets = [int(b) for b in (budgets or tf.get("budgets") or [])]
@@ -205,9 +231,12 @@ class Comparison:
         if lam is not None:
             self.rule = replace(self.rule, lam=float(lam), lam_scale=None)
         windows = windows or {}
-        self.windows = {b: int(windows[b]) if b in windows else
-                        resolve_eviction(b, sinks=self.sinks, trained=self.rule, warn=False).window
-                        for b in self.budgets}  # fmt: skip
+        self.windows = {
+            b: int(windows[b])
+            if b in windows
+            else resolve_eviction(b, sinks=self.sinks, trained=self.rule, warn=False).window
+            for b in self.budgets
+        }
         self.base_model = base_model.eval()
         adapted = load_adapter_bundle(copy.deepcopy(base_model), bundle, merge=merge)
         if adapted.scorer is None:
@@ -242,11 +271,15 @@ class Comparison:
         if streaming_bundle is not None:
             self.rows["streaming+ dense"] = (stream_model, None, stream_source)
         self.settings = {
-            "windows": {str(b): w for b, w in self.windows.items()}, "sinks": self.sinks, "lam": self.rule.lam,
+            "windows": {str(b): w for b, w in self.windows.items()},
+            "sinks": self.sinks,
+            "lam": self.rule.lam,
             "lam_scale": self.rule.lam_scale,
-            "bundle": str(bundle), "streaming_bundle": None if streaming_bundle is None else str(streaming_bundle),
-            "base_scorer": base_source, "merged": merge,
-        }  # fmt: skip
+            "bundle": str(bundle),
+            "streaming_bundle": None if streaming_bundle is None else str(streaming_bundle),
+            "base_scorer": base_source,
+            "merged": merge,
+        }
 
     @torch.no_grad()
     def base_hidden(self, ids: torch.Tensor) -> torch.Tensor:
@@ -267,8 +300,14 @@ class Comparison:
                 ph = dense
             else:
                 stream = policy == "streaming"
-                cache = make_cache(m, policy, budget=b, window=b - self.sinks if stream else self.windows[b],
-                                   sinks=self.sinks, lam=0.0 if stream else self.rule.lam_at(b))  # fmt: skip
+                cache = make_cache(
+                    m,
+                    policy,
+                    budget=b,
+                    window=b - self.sinks if stream else self.windows[b],
+                    sinks=self.sinks,
+                    lam=0.0 if stream else self.rule.lam_at(b),
+                )
                 ph = hidden_states(m, ids, cache)
             out[b] = score_document(self.base_model, ids, base_hidden, ph, b)
         return out
@@ -281,9 +320,19 @@ class Comparison:
 
 
 @torch.no_grad()
-def compare_adapted(base_model, bundle, docs, budgets=None, *, streaming_bundle=None, base_scorer=None,
-                    windows: dict | None = None, sinks: int | None = None, lam: float | None = None,
-                    merge: bool = False) -> dict:  # fmt: skip
+def compare_adapted(
+    base_model,
+    bundle,
+    docs,
+    budgets=None,
+    *,
+    streaming_bundle=None,
+    base_scorer=None,
+    windows: dict | None = None,
+    sinks: int | None = None,
+    lam: float | None = None,
+    merge: bool = False,
+) -> dict:
     """Retention of the adapted and the base model under kvpop and StreamingLLM, and the adapted
     model dense, all against the BASE model's dense outputs, on ``docs`` (1-D token-id tensors, or
     ``(label, ids)`` pairs); the other arguments as :class:`Comparison`. ``kvpop compare-adapted``
@@ -293,8 +342,17 @@ def compare_adapted(base_model, bundle, docs, budgets=None, *, streaming_bundle=
     "settings": {...}}``; rows: ``adapted kvpop``, ``adapted streaming``, ``base kvpop``, ``base
     streaming``, ``adapted dense`` (and ``streaming+ dense`` with ``streaming_bundle``).
     """
-    cmp = Comparison(base_model, bundle, budgets, streaming_bundle=streaming_bundle, base_scorer=base_scorer,
-                     windows=windows, sinks=sinks, lam=lam, merge=merge)  # fmt: skip
+    cmp = Comparison(
+        base_model,
+        bundle,
+        budgets,
+        streaming_bundle=streaming_bundle,
+        base_scorer=base_scorer,
+        windows=windows,
+        sinks=sinks,
+        lam=lam,
+        merge=merge,
+    )
     docs = [d if isinstance(d, tuple) else (f"doc{i}", d) for i, d in enumerate(docs)]
     scores: dict[int, dict[str, list[DocumentScore]]] = {b: {r: [] for r in cmp.rows} for b in cmp.budgets}
     for _, ids in docs:

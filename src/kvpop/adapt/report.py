@@ -54,23 +54,44 @@ def build_parser() -> argparse.ArgumentParser:
         "the evaluation corpora. Resumable (rerun the same command) and splittable (--shard i/n per process).",
     )
     p.add_argument("--bundle", required=True, help="kvpop adapter bundle with its scorer (kvpop adapt --mask kvpop)")
-    p.add_argument("--streaming-bundle", default=None,
-                   help="the StreamingLLM+ control (kvpop adapt --mask streaming); without it, StreamingLLM+ is the "
-                        "kvpop bundle's adapter under the window mask")  # fmt: skip
-    p.add_argument("--base-scorer", default=None,
-                   help="scorer for the base-model kvpop row (default: the scorer the bundle started from)")
+    p.add_argument(
+        "--streaming-bundle",
+        default=None,
+        help="the StreamingLLM+ control (kvpop adapt --mask streaming); without it, StreamingLLM+ is the "
+        "kvpop bundle's adapter under the window mask",
+    )
+    p.add_argument(
+        "--base-scorer",
+        default=None,
+        help="scorer for the base-model kvpop row (default: the scorer the bundle started from)",
+    )
     p.add_argument("--model", default=None, help="the base model (default: embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output folder (records/, results.json, table.md, adapt.png)")
-    p.add_argument("--compression", type=float, nargs="+", default=[0.75, 0.875],
-                   help="budgets as compression of --doc-tokens (default 0.75 0.875)")  # fmt: skip
+    p.add_argument(
+        "--compression",
+        type=float,
+        nargs="+",
+        default=[0.75, 0.875],
+        help="budgets as compression of --doc-tokens (default 0.75 0.875)",
+    )
     p.add_argument("--doc-tokens", type=int, default=4096)
     p.add_argument("--docs", type=int, default=2, help="test documents per corpus")
     p.add_argument("--corpora", nargs="+", default=None, help="default: the evaluation corpora")
-    p.add_argument("--rows", nargs="+", choices=ROW_ORDER, default=None, metavar="ROW",
-                   help=f"run only these rows (default all): {', '.join(repr(r) for r in ROW_ORDER)}")
+    p.add_argument(
+        "--rows",
+        nargs="+",
+        choices=ROW_ORDER,
+        default=None,
+        metavar="ROW",
+        help=f"run only these rows (default all): {', '.join(repr(r) for r in ROW_ORDER)}",
+    )
     p.add_argument("--shard", default=None, help="i/n: this process takes documents i, i+n, ... (1-based)")
-    p.add_argument("--no-merge-lora", dest="merge", action="store_false",
-                   help="keep the LoRA adapters unmerged (slower; the merged weights are equal up to rounding)")
+    p.add_argument(
+        "--no-merge-lora",
+        dest="merge",
+        action="store_false",
+        help="keep the LoRA adapters unmerged (slower; the merged weights are equal up to rounding)",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -87,8 +108,9 @@ def _check(args) -> tuple[list[int], tuple[int, int] | None]:
     for name in ("bundle", "streaming_bundle"):
         path = getattr(args, name)
         if path is not None and not (Path(path) / "kvpop_adapter.json").is_file():
-            raise FileNotFoundError(f"--{name.replace('_', '-')}: {path} is not a kvpop adapter bundle "
-                                    "(no kvpop_adapter.json)")  # fmt: skip
+            raise FileNotFoundError(
+                f"--{name.replace('_', '-')}: {path} is not a kvpop adapter bundle (no kvpop_adapter.json)"
+            )
     if args.doc_tokens < 2:
         raise ValueError(f"--doc-tokens must be >= 2, got {args.doc_tokens}")
     if args.docs < 1:
@@ -135,8 +157,10 @@ def aggregate(records: list[dict], budgets: list[int], n_boot: int = 2000) -> di
                 for row in have:
                     entry = _entry(per[row], per.get(SUBJECT) if row != SUBJECT else None, n_boot)
                     if task == "lm":
-                        entry["per_doc"] = [{"doc": f"{r['corpus']}#{r['doc']}", "retention": s.retention}
-                                            for r, s in zip(recs, per[row], strict=True)]  # fmt: skip
+                        entry["per_doc"] = [
+                            {"doc": f"{r['corpus']}#{r['doc']}", "retention": s.retention}
+                            for r, s in zip(recs, per[row], strict=True)
+                        ]
                         res[row] = entry
                     else:
                         res[row]["continuation"] = entry
@@ -219,8 +243,9 @@ def _current(store: RecordStore, keys: dict[str, tuple]) -> list[dict]:
         rec = store.done(key)
         if rec is None:
             continue
-        d = docs.setdefault((domain, corpus, j), {"domain": domain, "corpus": corpus, "doc": j, "sums": {},
-                                                  "wall_s": 0.0})  # fmt: skip
+        d = docs.setdefault(
+            (domain, corpus, j), {"domain": domain, "corpus": corpus, "doc": j, "sums": {}, "wall_s": 0.0}
+        )
         for field in ("sums", "continuation"):
             for b, sums in rec.get(field, {}).items():
                 d.setdefault(field, {}).setdefault(b, {})[row] = sums
@@ -229,8 +254,12 @@ def _current(store: RecordStore, keys: dict[str, tuple]) -> list[dict]:
 
 
 def write(records: list[dict], budgets: list[int], settings: dict, out: Path) -> dict:
-    results = {"settings": settings, "aggregate": aggregate(records, budgets), "documents": records,
-               "wall_seconds_total": sum(r["wall_s"] for r in records)}  # fmt: skip
+    results = {
+        "settings": settings,
+        "aggregate": aggregate(records, budgets),
+        "documents": records,
+        "wall_seconds_total": sum(r["wall_s"] for r in records),
+    }
     text = json.dumps(results, indent=1, allow_nan=True) + "\n"
     atomic_write(out / "results.json", lambda tmp: Path(tmp).write_text(text))
     (out / "table.md").write_text(table(results) + "\n")
@@ -247,17 +276,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpop compare-adapted: error: {exc}", file=sys.stderr)
         return 2
     model, tokenizer = models.load_model(args.model, progress=not args.no_progress)
-    cmp = Comparison(model, args.bundle, budgets, streaming_bundle=args.streaming_bundle,
-                     base_scorer=args.base_scorer, merge=args.merge)  # fmt: skip
+    cmp = Comparison(
+        model,
+        args.bundle,
+        budgets,
+        streaming_bundle=args.streaming_bundle,
+        base_scorer=args.base_scorer,
+        merge=args.merge,
+    )
     notes: list[str] = []
-    ecfg = harness.EvalConfig(docs=args.docs, doc_tokens=args.doc_tokens, corpora=tuple(args.corpora) if args.corpora else None)
-    items = [(domain, corpus, j, ids) for domain, corpus, docs in harness.corpus_documents(tokenizer, ecfg, notes)
-             for j, ids in enumerate(docs)]  # fmt: skip
+    ecfg = harness.EvalConfig(
+        docs=args.docs, doc_tokens=args.doc_tokens, corpora=tuple(args.corpora) if args.corpora else None
+    )
+    items = [
+        (domain, corpus, j, ids)
+        for domain, corpus, docs in harness.corpus_documents(tokenizer, ecfg, notes)
+        for j, ids in enumerate(docs)
+    ]
     shas = {r: ("base" if src is None else _sha(src)) for r, (_, _, src) in cmp.rows.items()}
     settings = {
-        **cmp.settings, "budgets": budgets, "doc_tokens": args.doc_tokens, "docs_per_corpus": args.docs,
-        "row_weights": shas, "model": str(getattr(model.config, "_name_or_path", "")),
-    }  # fmt: skip
+        **cmp.settings,
+        "budgets": budgets,
+        "doc_tokens": args.doc_tokens,
+        "docs_per_corpus": args.docs,
+        "row_weights": shas,
+        "model": str(getattr(model.config, "_name_or_path", "")),
+    }
     fingerprint = {k: settings[k] for k in ("budgets", "doc_tokens", "windows", "sinks", "lam", "base_scorer", "model")}
     out = Path(args.out)
     tag = "main" if shard is None else f"shard-{shard[0]}-of-{shard[1]}"
@@ -277,8 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     mine = [it for i, it in enumerate(items) if shard is None or i % shard[1] == shard[0] - 1]
     todo = [(it, [r for r in rows if store.done(key(it[1], it[2], it[3], r)) is None]) for it in mine]
     todo = [(it, rs) for it, rs in todo if rs]
-    print(f"{len(items)} documents, {len(mine)} in this shard, {sum(len(rs) for _, rs in todo)} of "
-          f"{len(mine) * len(rows)} units to run", file=sys.stderr)  # fmt: skip
+    print(
+        f"{len(items)} documents, {len(mine)} in this shard, {sum(len(rs) for _, rs in todo)} of "
+        f"{len(mine) * len(rows)} units to run",
+        file=sys.stderr,
+    )
     bar = tqdm(total=sum(len(rs) for _, rs in todo), desc="compare-adapted", disable=args.no_progress)
     for (domain, corpus, j, ids), rs in todo:
         t0 = time.perf_counter()
@@ -287,10 +334,18 @@ def main(argv: list[str] | None = None) -> int:
         for r in rs:
             t0 = time.perf_counter()
             scores = cmp.row(r, ids, bh)
-            store.append({"key": key(corpus, j, ids, r), "domain": domain, "corpus": corpus, "doc": j, "row": r,
-                          "sums": {str(b): sums_to_dict(s.lm) for b, s in scores.items()},
-                          "continuation": {str(b): sums_to_dict(s.continuation) for b, s in scores.items()},
-                          "wall_s": time.perf_counter() - t0 + shared})  # fmt: skip
+            store.append(
+                {
+                    "key": key(corpus, j, ids, r),
+                    "domain": domain,
+                    "corpus": corpus,
+                    "doc": j,
+                    "row": r,
+                    "sums": {str(b): sums_to_dict(s.lm) for b, s in scores.items()},
+                    "continuation": {str(b): sums_to_dict(s.continuation) for b, s in scores.items()},
+                    "wall_s": time.perf_counter() - t0 + shared,
+                }
+            )
             shared = 0.0
             bar.update(1)
     bar.close()

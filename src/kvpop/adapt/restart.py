@@ -28,7 +28,17 @@ __all__ = ["BundleStart", "bundle_start", "load_bundle_weights"]
 
 SUMMARY_FILE = "summary.json"
 # the settings that choose the validation windows and budgets: a stored baseline is reused only if equal
-BASELINE_KEYS = ("val_docs", "seq_len", "corpora", "docs_from", "budgets", "budget_range", "val_budgets", "sinks", "seed")
+BASELINE_KEYS = (
+    "val_docs",
+    "seq_len",
+    "corpora",
+    "docs_from",
+    "budgets",
+    "budget_range",
+    "val_budgets",
+    "sinks",
+    "seed",
+)
 
 
 @dataclass
@@ -43,9 +53,13 @@ class BundleStart:
     def record(self) -> dict:
         """What the run's state and summary keep about this restart (the seconds before it: the restarted
         run's history starts at the bundle's step, and its wall time should not)."""
-        return {"from_bundle": str(self.path), "step": self.step, "optimizer": "AdamW moments reset to zero",
-                "baseline": "from the bundle's summary.json" if self.baseline is not None else "recomputed",
-                "train_seconds_before": self.seconds_before}
+        return {
+            "from_bundle": str(self.path),
+            "step": self.step,
+            "optimizer": "AdamW moments reset to zero",
+            "baseline": "from the bundle's summary.json" if self.baseline is not None else "recomputed",
+            "train_seconds_before": self.seconds_before,
+        }
 
 
 def bundle_start(cfg: AdaptConfig) -> BundleStart:
@@ -62,26 +76,35 @@ def bundle_start(cfg: AdaptConfig) -> BundleStart:
     want = {
         "mask": cfg.mask,
         "joint": bool(cfg.joint and cfg.mask == "kvpop"),
-        "adapter": {"lora_r": cfg.lora_r, "lora_alpha": cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_r,
-                    "lora_targets": list(cfg.lora_targets)},
+        "adapter": {
+            "lora_r": cfg.lora_r,
+            "lora_alpha": cfg.lora_alpha if cfg.lora_alpha is not None else 2 * cfg.lora_r,
+            "lora_targets": list(cfg.lora_targets),
+        },
         "trained_for": cfg.trained_for(),
         "corpora": list(cfg.corpora) if not cfg.docs_from else ["user:" + str(cfg.docs_from)],
         "scorer_sha256": cfg.scorer_sha256(),
-    }  # fmt: skip
-    have = {**{k: meta.get(k) for k in want if k != "scorer_sha256"},
-            "scorer_sha256": (meta.get("trained_from") or {}).get("scorer_sha256")}
+    }
+    have = {
+        **{k: meta.get(k) for k in want if k != "scorer_sha256"},
+        "scorer_sha256": (meta.get("trained_from") or {}).get("scorer_sha256"),
+    }
     for key, value in want.items():
         if have[key] != value:
-            raise ValueError(f"{where} comes from a run with other settings: {key} is {have[key]!r} there, "
-                             f"{value!r} here; continue it with the settings it was trained with")  # fmt: skip
+            raise ValueError(
+                f"{where} comes from a run with other settings: {key} is {have[key]!r} there, "
+                f"{value!r} here; continue it with the settings it was trained with"
+            )
     step = meta.get("steps")
     if not isinstance(step, int) or step < 1:
         raise ValueError(f"{where} records no step count (meta steps {step!r})")
     if step >= cfg.steps:
         raise ValueError(f"{where} is at step {step}; --steps {cfg.steps} leaves nothing to train")
     if meta.get("tokens_seen") != step * cfg.batch_size * cfg.seq_len:
-        raise ValueError(f"{where} saw {meta.get('tokens_seen')} tokens in {step} steps, not {step} x batch "
-                         f"{cfg.batch_size} x seq_len {cfg.seq_len}: another --batch-size or --seq-len")  # fmt: skip
+        raise ValueError(
+            f"{where} saw {meta.get('tokens_seen')} tokens in {step} steps, not {step} x batch "
+            f"{cfg.batch_size} x seq_len {cfg.seq_len}: another --batch-size or --seq-len"
+        )
     summary = _read_summary(path)
     return BundleStart(path, step, _stored_baseline(summary, cfg), _stored_seconds(summary, step))
 
@@ -114,8 +137,9 @@ def load_bundle_weights(model, start: BundleStart) -> int:
     shape) and check that every trainable weight now equals the bundle's. Returns how many were set."""
     diff = fingerprint_diff(check_adapter_bundle(start.path).get("fingerprint") or {}, base_fingerprint(model))
     if diff:
-        raise ValueError(f"--from-bundle {start.path} was trained on another base model ({', '.join(sorted(diff))} "
-                         "differ)")  # fmt: skip
+        raise ValueError(
+            f"--from-bundle {start.path} was trained on another base model ({', '.join(sorted(diff))} differ)"
+        )
     tensors = read_tensors(start.path / ADAPTER_FILES[1])
     unexpected = set_adapter_weights(model, tensors)
     if unexpected:
@@ -126,5 +150,7 @@ def load_bundle_weights(model, start: BundleStart) -> int:
         if key not in tensors or not torch.equal(param.detach().cpu(), tensors[key].to(param.dtype)):
             raise ValueError(f"--from-bundle {start.path}: the model's {name} did not receive the bundle's weight")
     if len(trained) != len(tensors):
-        raise ValueError(f"--from-bundle {start.path} holds {len(tensors)} LoRA tensors, this model trains {len(trained)}")
+        raise ValueError(
+            f"--from-bundle {start.path} holds {len(tensors)} LoRA tensors, this model trains {len(trained)}"
+        )
     return len(trained)

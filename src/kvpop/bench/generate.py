@@ -31,7 +31,9 @@ DEFAULT_POLICIES = "dense,floor@512,streaming@512,kvpop@512,kvpop@512+compile,kv
 
 
 @torch.no_grad()
-def run_one(spec: str, lengths: list[int], decode_steps: int, mode: str, model_path: str | None, threads: int | None) -> dict:
+def run_one(
+    spec: str, lengths: list[int], decode_steps: int, mode: str, model_path: str | None, threads: int | None
+) -> dict:
     if threads:
         torch.set_num_threads(threads)
     model, tok = models.load_model(model_path, progress=False)
@@ -71,14 +73,16 @@ def run_one(spec: str, lengths: list[int], decode_steps: int, mode: str, model_p
             pos += 1
         if floor:
             pos = length  # the other policies' text position, for the next checkpoint's bookkeeping
-        rows.append({
-            "length": length,
-            "decode_ms_median": 1000 * median(lat),
-            "kv_bytes": kv_bytes(cache),
-            "rss_bytes": rss_bytes(),
-            "peak_rss_bytes": peak_rss_bytes(),
-            "rss_over_start_bytes": rss_bytes() - base_rss,
-        })
+        rows.append(
+            {
+                "length": length,
+                "decode_ms_median": 1000 * median(lat),
+                "kv_bytes": kv_bytes(cache),
+                "rss_bytes": rss_bytes(),
+                "peak_rss_bytes": peak_rss_bytes(),
+                "rss_over_start_bytes": rss_bytes() - base_rss,
+            }
+        )
         print(json.dumps({"policy": spec, **rows[-1]}), file=sys.stderr)
     return {"policy": spec, "rows": rows}
 
@@ -132,8 +136,19 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     t0 = time.perf_counter()
     for spec in args.policies.split(","):
-        cmd = [sys.executable, "-m", "kvpop.bench.generate", "--_worker", spec, "--lengths", args.lengths,
-               "--decode-steps", str(args.decode_steps), "--mode", args.mode]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvpop.bench.generate",
+            "--_worker",
+            spec,
+            "--lengths",
+            args.lengths,
+            "--decode-steps",
+            str(args.decode_steps),
+            "--mode",
+            args.mode,
+        ]
         if args.model:
             cmd += ["--model", args.model]
         if args.threads:
@@ -150,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         for i, row in enumerate(r["rows"]):
             drow = (dense or r)["rows"][i]
             entry = {
-                "policy": r["policy"], "length": row["length"],
+                "policy": r["policy"],
+                "length": row["length"],
                 "latency_ratio_vs_dense": row["decode_ms_median"] / drow["decode_ms_median"],
                 "kv_ratio_vs_dense": row["kv_bytes"] / drow["kv_bytes"],
                 "peak_rss_ratio_vs_dense": row["peak_rss_bytes"] / drow["peak_rss_bytes"],
@@ -158,16 +174,24 @@ def main(argv: list[str] | None = None) -> int:
             if floor is not None:
                 entry["latency_ratio_vs_floor"] = row["decode_ms_median"] / floor["rows"][i]["decode_ms_median"]
             table.append(entry)
-    results = {"model": args.model or "SmolLM2-135M-Instruct", "mode": args.mode, "decode_steps": args.decode_steps,
-               "threads": args.threads or torch.get_num_threads(), "runs": runs, "ratios": table,
-               "wall_seconds": time.perf_counter() - t0}
+    results = {
+        "model": args.model or "SmolLM2-135M-Instruct",
+        "mode": args.mode,
+        "decode_steps": args.decode_steps,
+        "threads": args.threads or torch.get_num_threads(),
+        "runs": runs,
+        "ratios": table,
+        "wall_seconds": time.perf_counter() - t0,
+    }
     out = Path(args.out)
     write_json(results, out.with_suffix(".json"))
     plot(results, out.with_suffix(".png"))
     for row in table:
         vs_floor = f" ({row['latency_ratio_vs_floor']:.2f}x floor)" if "latency_ratio_vs_floor" in row else ""
-        print(f"{row['policy']:>20} L={row['length']:>5}  latency x{row['latency_ratio_vs_dense']:.2f}{vs_floor}  "
-              f"KV x{row['kv_ratio_vs_dense']:.3f}  peak RSS x{row['peak_rss_ratio_vs_dense']:.2f}")
+        print(
+            f"{row['policy']:>20} L={row['length']:>5}  latency x{row['latency_ratio_vs_dense']:.2f}{vs_floor}  "
+            f"KV x{row['kv_ratio_vs_dense']:.3f}  peak RSS x{row['peak_rss_ratio_vs_dense']:.2f}"
+        )
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
 

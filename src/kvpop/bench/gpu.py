@@ -54,13 +54,33 @@ from ..targets import future_attention
 from .common import write_json
 
 SMOLLM2_135M = {  # the embedded model's architecture (its config.json, without the weights)
-    "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-    "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-    "hidden_act": "silu", "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}, "bos_token_id": 1,
-    "eos_token_id": 2, "pad_token_id": 2,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"},
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
 }
-DECODE_ROWS = ("floor", "dense", "dense-static", "streaming", "tova", "tova+compile", "kvpop", "kvpop+compile",
-               "kvpop-mlp", "kvpop-mlp+compile")
+DECODE_ROWS = (
+    "floor",
+    "dense",
+    "dense-static",
+    "streaming",
+    "tova",
+    "tova+compile",
+    "kvpop",
+    "kvpop+compile",
+    "kvpop-mlp",
+    "kvpop-mlp+compile",
+)
 LOG_FLOOR = -80.0  # targets below exp(-80) are left out of the error (float32 attention underflows there)
 
 
@@ -89,9 +109,13 @@ def _agreement(x: torch.Tensor, ref: torch.Tensor) -> dict:
     same_inf = bool(torch.equal(torch.isfinite(x), torch.isfinite(ref)))
     sel = torch.isfinite(ref) & (ref > LOG_FLOOR) & torch.isfinite(x)
     d = (x[sel] - ref[sel]).abs()
-    return {"max_abs_err": float(d.max()) if d.numel() else float("nan"),
-            "median_abs_err": float(d.median()) if d.numel() else float("nan"),
-            "compared": int(sel.sum()), "same_inf": same_inf, "nan": bool(torch.isnan(x).any())}
+    return {
+        "max_abs_err": float(d.max()) if d.numel() else float("nan"),
+        "median_abs_err": float(d.median()) if d.numel() else float("nan"),
+        "compared": int(sel.sum()),
+        "same_inf": same_inf,
+        "nan": bool(torch.isnan(x).any()),
+    }
 
 
 def _target_runs(q, k, v, device: torch.device, w: int, scale: float) -> dict:
@@ -100,8 +124,10 @@ def _target_runs(q, k, v, device: torch.device, w: int, scale: float) -> dict:
     sdpa = torch.nn.functional.scaled_dot_product_attention
     return {
         "sdpa-f32": (lambda: sdpa(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=True), device),
-        "sdpa-bf16": (lambda: sdpa(qd.bfloat16(), kd.bfloat16(), vd.bfloat16(), is_causal=True, scale=scale,
-                                   enable_gqa=True), device),
+        "sdpa-bf16": (
+            lambda: sdpa(qd.bfloat16(), kd.bfloat16(), vd.bfloat16(), is_causal=True, scale=scale, enable_gqa=True),
+            device,
+        ),
         "flex-f32": (lambda: future_attention(qd, kd, w, method="flex"), device),
         "flex-bf16": (lambda: future_attention(qd.bfloat16(), kd.bfloat16(), w, method="flex"), device),
         "blocked-f32": (lambda: future_attention(qd, kd, w, method="blocked", block=1024), device),
@@ -110,9 +136,20 @@ def _target_runs(q, k, v, device: torch.device, w: int, scale: float) -> dict:
     }
 
 
-def targets_part(sizes, device: torch.device, *, window: int = 256, q_heads: int = 9, kv_heads: int = 3, dim: int = 64,
-                 reps: int = 10, budget_s: float = 20.0, cpu_threads: int | None = None,
-                 dense_max_gb: float = 48.0, log=print) -> list[dict]:
+def targets_part(
+    sizes,
+    device: torch.device,
+    *,
+    window: int = 256,
+    q_heads: int = 9,
+    kv_heads: int = 3,
+    dim: int = 64,
+    reps: int = 10,
+    budget_s: float = 20.0,
+    cpu_threads: int | None = None,
+    dense_max_gb: float = 48.0,
+    log=print,
+) -> list[dict]:
     """One row per (S, method); see the module doc."""
     rows: list[dict] = []
     cuda = device.type == "cuda"
@@ -130,7 +167,9 @@ def targets_part(sizes, device: torch.device, *, window: int = 256, q_heads: int
         v = torch.randn(1, kv_heads, S, dim, generator=g)
         w = min(window, S - 1)
         t0 = time.perf_counter()
-        ref = future_attention(q.to(device, torch.float64), k.to(device, torch.float64), w, method="blocked", block=1024)
+        ref = future_attention(
+            q.to(device, torch.float64), k.to(device, torch.float64), w, method="blocked", block=1024
+        )
         _sync(device)
         rows.append({"S": S, "method": "blocked-f64 (reference)", "time_s": time.perf_counter() - t0})
         runs = _target_runs(q, k, v, device, w, scale)
@@ -156,8 +195,12 @@ def targets_part(sizes, device: torch.device, *, window: int = 256, q_heads: int
                         row.update(_agreement(out, ref))
                     del out
                     times = _timed(fn, dev, 1 if dev.type == "cpu" and S > 8192 else reps, budget_s)
-                    row.update(first_call_s=first, time_s=statistics.median(times), times_s=times,
-                               threads=torch.get_num_threads() if dev.type == "cpu" else None)
+                    row.update(
+                        first_call_s=first,
+                        time_s=statistics.median(times),
+                        times_s=times,
+                        threads=torch.get_num_threads() if dev.type == "cpu" else None,
+                    )
                 except Exception as exc:  # noqa: BLE001 (one failing method must not lose the others)
                     row["error"] = f"{type(exc).__name__}: {exc}"
                     row["traceback"] = traceback.format_exc(limit=6)
@@ -194,8 +237,9 @@ PARITY_POLICIES = ("streaming", "tova", "kvpop", "kvpop-mlp")
 
 
 @torch.no_grad()
-def parity_part(device: torch.device, *, policies=PARITY_POLICIES, budget: int = 64, prompt: int = 200,
-                steps: int = 64, log=print) -> list[dict]:
+def parity_part(
+    device: torch.device, *, policies=PARITY_POLICIES, budget: int = 64, prompt: int = 200, steps: int = 64, log=print
+) -> list[dict]:
     """The same tiny float32 model and policy on the CPU and on ``device`` (eager and compiled):
     a prompt, then ``steps`` decode steps; the largest logit difference against the CPU run and
     the share of cache slots that hold the same token at the end (near-ties may flip)."""
@@ -212,8 +256,11 @@ def parity_part(device: torch.device, *, policies=PARITY_POLICIES, budget: int =
             label = f"{dev.type}{'+compile' if comp else ''}"
             try:
                 m = copy.deepcopy(base).to(dev)
-                pol = random_learned_policy(m, "mlp" if name == "kvpop-mlp" else "mlstm", extra=True) \
-                    if name.startswith("kvpop") else name
+                pol = (
+                    random_learned_policy(m, "mlp" if name == "kvpop-mlp" else "mlstm", extra=True)
+                    if name.startswith("kvpop")
+                    else name
+                )
                 cache = make_cache(m, pol, budget=budget, compile=comp)
                 x = ids.to(dev)
                 logits = [m(x[:, :prompt], **cache_kwargs(cache)).logits[:, -1].float().cpu()]
@@ -222,17 +269,37 @@ def parity_part(device: torch.device, *, policies=PARITY_POLICIES, budget: int =
                 slots = torch.stack([layer.slot_index.cpu() for layer in cache.layers])
                 runs[label] = (torch.stack(logits), slots)
             except Exception as exc:  # noqa: BLE001
-                rows.append({"policy": name, "run": label, "error": f"{type(exc).__name__}: {exc}",
-                             "traceback": traceback.format_exc(limit=8)})
+                rows.append(
+                    {
+                        "policy": name,
+                        "run": label,
+                        "error": f"{type(exc).__name__}: {exc}",
+                        "traceback": traceback.format_exc(limit=8),
+                    }
+                )
         ref = runs.get("cpu")
         for label, (lg, slots) in runs.items():
             if label == "cpu" or ref is None:
                 continue
-            rows.append({"policy": name, "run": label, "max_logit_diff": float((lg - ref[0]).abs().max()),
-                         "same_slots": float((slots == ref[1]).float().mean()), "steps": steps, "budget": budget})
+            rows.append(
+                {
+                    "policy": name,
+                    "run": label,
+                    "max_logit_diff": float((lg - ref[0]).abs().max()),
+                    "same_slots": float((slots == ref[1]).float().mean()),
+                    "steps": steps,
+                    "budget": budget,
+                }
+            )
     for r in rows:
-        log(f"parity {r['policy']:>10} {r['run']:>13}: " + (r["error"] if "error" in r else
-            f"max |logit diff| {r['max_logit_diff']:.2e}, same slots {r['same_slots']:.3f}"))
+        log(
+            f"parity {r['policy']:>10} {r['run']:>13}: "
+            + (
+                r["error"]
+                if "error" in r
+                else f"max |logit diff| {r['max_logit_diff']:.2e}, same slots {r['same_slots']:.3f}"
+            )
+        )
     return rows
 
 
@@ -264,8 +331,9 @@ def shipped_like_policy(model, kind: str):
         scorer = build_scorer(dataclasses.replace(scorer.config, **shape))
         if scorer.config.position_free:
             scorer.set_rope(RopeSpec.from_config(text))
-    return LearnedPolicy(scorer.eval(), source=f"{path} ({'weights' if same else 'random init'})",
-                         trained_for=meta.get("trained_for"))
+    return LearnedPolicy(
+        scorer.eval(), source=f"{path} ({'weights' if same else 'random init'})", trained_for=meta.get("trained_for")
+    )
 
 
 def _make_cache(model, row: str, budget: int, length: int):
@@ -276,14 +344,28 @@ def _make_cache(model, row: str, budget: int, length: int):
     if row == "dense-static":
         return StaticCache(config=model.config, max_cache_len=length)
     name = row.removesuffix("+compile")
-    policy = shipped_like_policy(model, {"kvpop": "mlstm", "kvpop-mlp": "mlp"}[name]) if name.startswith("kvpop") else name
+    policy = (
+        shipped_like_policy(model, {"kvpop": "mlstm", "kvpop-mlp": "mlp"}[name]) if name.startswith("kvpop") else name
+    )
     return make_cache(model, policy, budget=budget, compile=row.endswith("+compile"))
 
 
 @torch.no_grad()
-def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int = 512, batch: int = 1,
-                steps: int = 8, rounds: int = 4, dtype: torch.dtype = torch.bfloat16, prefill_chunk: int = 4096,
-                model_overrides: dict | None = None, log=print, on_result=None) -> list[dict]:
+def decode_part(
+    contexts,
+    device: torch.device,
+    *,
+    rows=DECODE_ROWS,
+    budget: int = 512,
+    batch: int = 1,
+    steps: int = 8,
+    rounds: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+    prefill_chunk: int = 4096,
+    model_overrides: dict | None = None,
+    log=print,
+    on_result=None,
+) -> list[dict]:
     """One dict per context: ``{"context", "floor_ms", "dense_ms", "rows": [...]}``."""
     total = steps * rounds
     if budget <= total + 2:
@@ -323,8 +405,9 @@ def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int
                 st["times"] = []
                 live[row] = st
             except Exception as exc:  # noqa: BLE001 (a failing row is reported, the others still run)
-                errors.append({"name": row, "error": f"{type(exc).__name__}: {exc}",
-                               "traceback": traceback.format_exc(limit=8)})
+                errors.append(
+                    {"name": row, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+                )
                 state.pop(row, None)
                 log(f"ctx {ctx} {row}: {errors[-1]['error']}")
         for _ in range(rounds):
@@ -341,11 +424,20 @@ def decode_part(contexts, device: torch.device, *, rows=DECODE_ROWS, budget: int
         out_rows = []
         for row, st in live.items():
             step = 1000 * statistics.median(st["times"])
-            out_rows.append({"name": row, "step_ms": step, "vs_floor": step / floor, "vs_dense": step / dense,
-                             "overhead_share": 1 - floor / step, "steps": len(st["times"]),
-                             "first_step_s": st["first_s"], "prefill_s": st["prefill_s"],
-                             "prefill_tokens": st["prefilled"],
-                             "compile_status": getattr(st["cache"], "compile_status", None)})
+            out_rows.append(
+                {
+                    "name": row,
+                    "step_ms": step,
+                    "vs_floor": step / floor,
+                    "vs_dense": step / dense,
+                    "overhead_share": 1 - floor / step,
+                    "steps": len(st["times"]),
+                    "first_step_s": st["first_s"],
+                    "prefill_s": st["prefill_s"],
+                    "prefill_tokens": st["prefilled"],
+                    "compile_status": getattr(st["cache"], "compile_status", None),
+                }
+            )
         out_rows += errors
         res = {"context": ctx, "budget": budget, "batch": batch, "floor_ms": floor, "dense_ms": dense, "rows": out_rows}
         if device.type == "cuda":
@@ -363,8 +455,10 @@ def _format_decode(res: dict) -> str:
         if "error" in r:
             out.append(f"  {r['name']:>18}: {r['error']}")
         else:
-            out.append(f"  {r['name']:>18}: {r['step_ms']:7.2f} ms  {r['vs_floor']:5.2f}x floor  "
-                       f"{r['vs_dense']:5.2f}x dense  first {r['first_step_s']:6.2f} s  prefill {r['prefill_s']:6.2f} s")
+            out.append(
+                f"  {r['name']:>18}: {r['step_ms']:7.2f} ms  {r['vs_floor']:5.2f}x floor  "
+                f"{r['vs_dense']:5.2f}x dense  first {r['first_step_s']:6.2f} s  prefill {r['prefill_s']:6.2f} s"
+            )
     return "\n".join(out)
 
 
@@ -377,19 +471,34 @@ def plot(result: dict, out: Path) -> Path:
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4.2), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=False):
         if panel == "decode":
-            palette = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
-                       "tab:cyan", "tab:gray", "gold"]  # no red: dense is red
+            palette = [
+                "tab:blue",
+                "tab:orange",
+                "tab:green",
+                "tab:purple",
+                "tab:brown",
+                "tab:pink",
+                "tab:olive",
+                "tab:cyan",
+                "tab:gray",
+                "gold",
+            ]  # no red: dense is red
             for i, n in enumerate(DECODE_ROWS):
-                pts = [(d["context"], r["step_ms"]) for d in dec for r in d["rows"] if r["name"] == n and "step_ms" in r]
+                pts = [
+                    (d["context"], r["step_ms"]) for d in dec for r in d["rows"] if r["name"] == n and "step_ms" in r
+                ]
                 if pts:
                     style = {"floor": {"color": "k", "ls": "--"}, "dense": {"color": "tab:red", "ls": "--"}}.get(
-                        n, {"color": palette[i % len(palette)], "ls": ":" if n == "dense-static" else "-"})
+                        n, {"color": palette[i % len(palette)], "ls": ":" if n == "dense-static" else "-"}
+                    )
                     ax.plot(*zip(*pts, strict=True), marker="o", label=n, **style)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context (tokens)")
             ax.set_ylabel("median decode step (ms)")
             ax.set_ylim(bottom=0)
-            ax.set_title(f"decode, B = {dec[0]['budget']}, batch {dec[0]['batch']} ({result['device_name']})", fontsize=9)
+            ax.set_title(
+                f"decode, B = {dec[0]['budget']}, batch {dec[0]['batch']} ({result['device_name']})", fontsize=9
+            )
         else:
             for m in sorted({r["method"] for r in tg}):
                 pts = [(r["S"], r["time_s"] * 1000) for r in tg if r["method"] == m]
@@ -439,7 +548,11 @@ def main(argv: list[str] | None = None) -> int:
         "command": "kvpop bench gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "cpu_count": os.cpu_count(), "options": vars(a), "targets": [], "decode": [],
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "options": vars(a),
+        "targets": [],
+        "decode": [],
     }
     result["transformers"] = transformers.__version__
     t_start = time.perf_counter()
@@ -456,10 +569,18 @@ def main(argv: list[str] | None = None) -> int:
         result["targets"] = targets_part(sizes, device, window=a.window, reps=a.reps, cpu_threads=a.cpu_threads)
         save()
     if contexts:
-        result["decode"] = decode_part(contexts, device, rows=rows, budget=a.budget, batch=a.batch, steps=a.steps,
-                                       rounds=a.rounds, model_overrides=json.loads(a.model),
-                                       dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                                       on_result=lambda res: (result.__setitem__("decode", res), save()))
+        result["decode"] = decode_part(
+            contexts,
+            device,
+            rows=rows,
+            budget=a.budget,
+            batch=a.batch,
+            steps=a.steps,
+            rounds=a.rounds,
+            model_overrides=json.loads(a.model),
+            dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+            on_result=lambda res: (result.__setitem__("decode", res), save()),
+        )
     save()  # each decode row records its cache's compile_status ("eager (compiling failed: ...)" when it fell back)
     print(f"wrote {out.with_suffix('.json')} and {plot(result, out)}")
     return 0

@@ -60,17 +60,23 @@ def _plot(result: dict, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvpop bench overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default=None, help="comma list (default: every policy that can generate)")
-    p.add_argument("--compile", default="all",
-                   help="policies also run with compile=True: a comma list, 'all' (every policy of --policies "
-                        "with long-range slots; StreamingLLM has none, so nothing to compile) or '' for none")
+    p.add_argument(
+        "--compile",
+        default="all",
+        help="policies also run with compile=True: a comma list, 'all' (every policy of --policies "
+        "with long-range slots; StreamingLLM has none, so nothing to compile) or '' for none",
+    )
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--context", type=int, default=8000)
     p.add_argument("--steps", type=int, default=8, help="steps per row per round")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--model", default=None)
-    p.add_argument("--scorer", default=None,
-                   help="a scorer checkpoint for the learned policy of its kind (e.g. one trained for --model)")
+    p.add_argument(
+        "--scorer",
+        default=None,
+        help="a scorer checkpoint for the learned policy of its kind (e.g. one trained for --model)",
+    )
     p.add_argument("--out", default="results/bench_overhead")
     args = p.parse_args(argv)
     try:  # a readable scorer checkpoint, before the model loads
@@ -88,12 +94,16 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"unknown policies {unknown}; known: {sorted(POLICIES)}")
     total_steps = args.steps * args.rounds
     if args.budget <= total_steps + 2:
-        raise SystemExit(f"--budget must exceed --steps x --rounds + 2 = {total_steps + 2} (the floor's static cache fills)")
+        raise SystemExit(
+            f"--budget must exceed --steps x --rounds + 2 = {total_steps + 2} (the floor's static cache fills)"
+        )
     torch.set_num_threads(args.threads)
     model, tok = load_model_quietly(args.model)
     limit = model.config.max_position_embeddings
     if args.context + total_steps + 1 > limit:
-        raise SystemExit(f"--context + steps x rounds needs {args.context + total_steps + 1} positions; the model has {limit}")
+        raise SystemExit(
+            f"--context + steps x rounds needs {args.context + total_steps + 1} positions; the model has {limit}"
+        )
     ids = text_ids(tok, args.context + total_steps + 1)
 
     def prefill(cache, length: int) -> None:
@@ -118,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         prefill(cache, args.context)
         t0 = time.perf_counter()
-        model(ids[:, args.context : args.context + 1], **cache_kwargs(cache))  # the first steady step (compiles, if asked)
+        model(
+            ids[:, args.context : args.context + 1], **cache_kwargs(cache)
+        )  # the first steady step (compiles, if asked)
         first = time.perf_counter() - t0
         for layer in cache.layers:
             layer.timer = {}
@@ -137,8 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     out_rows = []
     for name, r in rows.items():
         step = 1000 * median(r["times"])
-        row = {"name": name, "step_ms": step, "vs_floor": step / floor_ms, "vs_dense": step / dense_ms,
-               "overhead_share": 1 - floor_ms / step, "steps": len(r["times"])}
+        row = {
+            "name": name,
+            "step_ms": step,
+            "vs_floor": step / floor_ms,
+            "vs_dense": step / dense_ms,
+            "overhead_share": 1 - floor_ms / step,
+            "steps": len(r["times"]),
+        }
         if "first_s" in r:
             row["first_step_s"] = r["first_s"]
             phases: dict[str, float] = {}
@@ -149,11 +167,21 @@ def main(argv: list[str] | None = None) -> int:
                 n = len(r["times"])
                 row["phase_ms"] = {k: 1000 * v / n for k, v in sorted(phases.items())}
         out_rows.append(row)
-        print(f"{name:>16}: {step:6.1f} ms  {row['vs_floor']:.2f}x floor  {row['vs_dense']:.2f}x dense  "
-              f"overhead {row['overhead_share']:+.1%}")
-    result = {"budget": args.budget, "context": args.context, "steps": args.steps, "rounds": args.rounds,
-              "threads": torch.get_num_threads(), "floor_ms": floor_ms, "dense_ms": dense_ms,
-              "options": vars(args), "rows": out_rows}
+        print(
+            f"{name:>16}: {step:6.1f} ms  {row['vs_floor']:.2f}x floor  {row['vs_dense']:.2f}x dense  "
+            f"overhead {row['overhead_share']:+.1%}"
+        )
+    result = {
+        "budget": args.budget,
+        "context": args.context,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "threads": torch.get_num_threads(),
+        "floor_ms": floor_ms,
+        "dense_ms": dense_ms,
+        "options": vars(args),
+        "rows": out_rows,
+    }
     out = Path(args.out)
     write_json(result, out.with_suffix(".json"))
     print(f"wrote {out.with_suffix('.json')} and {_plot(result, out)}")

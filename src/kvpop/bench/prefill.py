@@ -27,8 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="dense,knorm@512,kvpop-mlp@512,h2o@512")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1024,
-                   help="tokens prefilled once per policy before timing, untimed (0: none)")
+    p.add_argument(
+        "--warmup", type=int, default=1024, help="tokens prefilled once per policy before timing, untimed (0: none)"
+    )
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results/bench_prefill")
     args = p.parse_args(argv)
@@ -52,12 +53,27 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for spec in specs:
         tps = args.length / median(times[spec])
-        rows.append({"policy": spec, "tokens_per_s": tps, "seconds": times[spec], "warmup_s": warmup.get(spec),
-                     "throughput_vs_dense": (dense / median(times[spec])) if dense else None})
+        rows.append(
+            {
+                "policy": spec,
+                "tokens_per_s": tps,
+                "seconds": times[spec],
+                "warmup_s": warmup.get(spec),
+                "throughput_vs_dense": (dense / median(times[spec])) if dense else None,
+            }
+        )
         print(f"{spec:>16}: {tps:.0f} tok/s" + (f"  ({rows[-1]['throughput_vs_dense']:.2f}x dense)" if dense else ""))
-    write_json({"length": args.length, "repeats": args.repeats, "warmup": args.warmup, "threads": torch.get_num_threads(),
-                "options": vars(args), "rows": rows},
-               Path(args.out).with_suffix(".json"))
+    write_json(
+        {
+            "length": args.length,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "threads": torch.get_num_threads(),
+            "options": vars(args),
+            "rows": rows,
+        },
+        Path(args.out).with_suffix(".json"),
+    )
     return 0
 
 

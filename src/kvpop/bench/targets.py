@@ -134,10 +134,7 @@ def _worker(spec: dict) -> dict:
                 times[m].append(time.perf_counter() - t0)
             if time.perf_counter() - t_start > spec["budget_s"]:
                 break
-    return {
-        m: {"time_s": min(ts), "time_median_s": statistics.median(ts), "times_s": ts}
-        for m, ts in times.items()
-    }
+    return {m: {"time_s": min(ts), "time_median_s": statistics.median(ts), "times_s": ts} for m, ts in times.items()}
 
 
 def _run_worker(spec: dict, timeout: float | None) -> dict:

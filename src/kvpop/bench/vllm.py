@@ -43,8 +43,12 @@ MAX_NEW = 256  # admission: new tokens per request at most
 def _metrics(llm) -> dict[str, float]:
     out: dict[str, float] = {}
     for m in llm.get_metrics():
-        if m.name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                      "vllm:num_preemptions"):  # fmt: skip
+        if m.name in (
+            "vllm:kv_cache_usage_perc",
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:num_preemptions",
+        ):
             out[m.name.removeprefix("vllm:")] = float(getattr(m, "value", 0.0))
     return out
 
@@ -62,9 +66,18 @@ def _engine(args, mode: str, space_mib: int, max_len: int, compile_: bool = Fals
     kw = {}
     if mode != DENSE:
         kw["additional_config"] = {"kvpop": {"budget": args.budget, "policy": mode, "compile": compile_}}
-    return LLM(model=args.model_dir, dtype="float32", max_model_len=max_len, kv_cache_memory_bytes=space_mib << 20,
-               enable_prefix_caching=False, disable_log_stats=False, seed=0, enforce_eager=args.eager,
-               max_num_batched_tokens=args.batched_tokens, **kw)  # fmt: skip
+    return LLM(
+        model=args.model_dir,
+        dtype="float32",
+        max_model_len=max_len,
+        kv_cache_memory_bytes=space_mib << 20,
+        enable_prefix_caching=False,
+        disable_log_stats=False,
+        seed=0,
+        enforce_eager=args.eager,
+        max_num_batched_tokens=args.batched_tokens,
+        **kw,
+    )
 
 
 def _run(llm, prompts, max_tokens: int, on_step=None) -> list[dict]:
@@ -111,14 +124,22 @@ def worker(args, part: str, mode: str) -> dict:
             before = _metrics(llm).get("num_preemptions", 0.0)
             steps = _run(llm, _prompts(tok, count, length - max_tokens), max_tokens)
             peak = max(steps, key=lambda s: s["produced"])
-            rows.append({
-                "length": length, "prompt": length - max_tokens, "max_tokens": max_tokens, "submitted": count,
-                "admitted": peak["produced"], "kv_usage_at_peak": peak.get("kv_cache_usage_perc"),
-                "running_at_peak": peak.get("num_requests_running"), "waiting_at_peak": peak.get("num_requests_waiting"),
-                "preemptions": steps[-1].get("num_preemptions", 0.0) - before,
-                "blocks_per_request": per_request, "vllm_block_estimate": fit,
-                "seconds": sum(s["seconds"] for s in steps),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "length": length,
+                    "prompt": length - max_tokens,
+                    "max_tokens": max_tokens,
+                    "submitted": count,
+                    "admitted": peak["produced"],
+                    "kv_usage_at_peak": peak.get("kv_cache_usage_perc"),
+                    "running_at_peak": peak.get("num_requests_running"),
+                    "waiting_at_peak": peak.get("num_requests_waiting"),
+                    "preemptions": steps[-1].get("num_preemptions", 0.0) - before,
+                    "blocks_per_request": per_request,
+                    "vllm_block_estimate": fit,
+                    "seconds": sum(s["seconds"] for s in steps),
+                }
+            )
         out = {"num_blocks": blocks, "block_size": block_size, "rows": rows}
     else:
         llm = _engine(args, mode, args.throughput_space_mib, args.throughput_length, compile_=not args.no_compile)
@@ -132,17 +153,27 @@ def worker(args, part: str, mode: str) -> dict:
             # last prefill chunk: left out)
             dec = [s for s in steps if s["produced"] == count][1:]
             secs = [s["seconds"] for s in dec]
-            rows.append({
-                "count": count, "length": args.throughput_length, "decode_steps": len(dec),
-                "step_seconds_median": median(secs),
-                "tokens_per_s": count / median(secs) if secs else float("nan"),
-                "kv_usage": median([s.get("kv_cache_usage_perc", float("nan")) for s in dec]),
-                "prefill_seconds": sum(s["seconds"] for s in steps) - sum(secs),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "count": count,
+                    "length": args.throughput_length,
+                    "decode_steps": len(dec),
+                    "step_seconds_median": median(secs),
+                    "tokens_per_s": count / median(secs) if secs else float("nan"),
+                    "kv_usage": median([s.get("kv_cache_usage_perc", float("nan")) for s in dec]),
+                    "prefill_seconds": sum(s["seconds"] for s in steps) - sum(secs),
+                }
+            )
         out = {"rows": rows}
     cache = llm.llm_engine.vllm_config.cache_config
-    out.update(part=part, mode=mode, num_blocks=cache.num_gpu_blocks, kv_cache_bytes=cache.kv_cache_memory_bytes,
-               max_concurrency_reported=cache.kv_cache_max_concurrency, seconds=time.perf_counter() - t_start)  # fmt: skip
+    out.update(
+        part=part,
+        mode=mode,
+        num_blocks=cache.num_gpu_blocks,
+        kv_cache_bytes=cache.kv_cache_memory_bytes,
+        max_concurrency_reported=cache.kv_cache_max_concurrency,
+        seconds=time.perf_counter() - t_start,
+    )
     return out
 
 
@@ -155,7 +186,9 @@ def plot(results: dict, out: Path) -> Path:
     w = 0.38
     for j, mode in enumerate(adm):
         vals = [r["admitted"] for r in adm[mode]["rows"]]
-        bars = a.bar([i + (j - 0.5) * w for i in x], vals, w, label=mode if mode == DENSE else f"{mode} B={results['budget']}")
+        bars = a.bar(
+            [i + (j - 0.5) * w for i in x], vals, w, label=mode if mode == DENSE else f"{mode} B={results['budget']}"
+        )
         a.bar_label(bars, fontsize=8)
     a.set_xticks(list(x), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
     a.set_xlabel("request length L (prompt + new tokens)")
@@ -165,8 +198,12 @@ def plot(results: dict, out: Path) -> Path:
     tp = results["throughput"]
     for mode in tp:
         rows = tp[mode]["rows"]
-        b.plot([r["count"] for r in rows], [r["tokens_per_s"] for r in rows], "o-",
-               label=mode if mode == DENSE else f"{mode} B={results['budget']}")  # fmt: skip
+        b.plot(
+            [r["count"] for r in rows],
+            [r["tokens_per_s"] for r in rows],
+            "o-",
+            label=mode if mode == DENSE else f"{mode} B={results['budget']}",
+        )
     b.set_xlabel(f"concurrent {results['throughput_length']}-token requests")
     b.set_ylabel("decode tokens/s (all requests)")
     b.set_title("decode throughput")
@@ -188,8 +225,11 @@ def _parse(argv):
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--batched-tokens", type=int, default=4096, help="vLLM max_num_batched_tokens")
     p.add_argument("--eager", action="store_true", help="vLLM enforce_eager (default: vLLM's CPU compilation)")
-    p.add_argument("--no-compile", action="store_true",
-                   help="throughput: run kvpop's decode step eagerly (default: compiled, compile=true)")
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="throughput: run kvpop's decode step eagerly (default: compiled, compile=true)",
+    )
     p.add_argument("--out", default="results/bench_vllm")
     p.add_argument("--_worker", nargs=3, default=None, help=argparse.SUPPRESS)  # part, mode, result file
     p.add_argument("--_model_dir", default=None, help=argparse.SUPPRESS)
@@ -199,7 +239,14 @@ def _parse(argv):
         args.concurrency = [int(x) for x in args.concurrency.split(",")]
     except ValueError as exc:
         p.error(f"--lengths / --concurrency must be comma-separated ints ({exc})")
-    for name in ("budget", "kv_space_mib", "throughput_length", "throughput_space_mib", "decode_steps", "batched_tokens"):
+    for name in (
+        "budget",
+        "kv_space_mib",
+        "throughput_length",
+        "throughput_space_mib",
+        "decode_steps",
+        "batched_tokens",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if min(args.lengths) < 1 or min(args.concurrency) < 1:
@@ -224,29 +271,73 @@ def main(argv=None) -> int:
     limit = json.loads(Path(model_dir, "config.json").read_text()).get("max_position_embeddings")
     longest = max(*args.lengths, args.throughput_length)
     if limit is not None and longest > limit:
-        raise SystemExit(f"--lengths / --throughput-length reach {longest} tokens; the model has max_position_embeddings={limit}")
+        raise SystemExit(
+            f"--lengths / --throughput-length reach {longest} tokens; the model has max_position_embeddings={limit}"
+        )
     if min(args.lengths) <= MAX_NEW or args.throughput_length <= 2 * args.decode_steps:
-        raise SystemExit(f"--lengths must exceed {MAX_NEW} and --throughput-length 2 x --decode-steps (a request's "
-                         "length is its prompt and its new tokens)")  # fmt: skip
+        raise SystemExit(
+            f"--lengths must exceed {MAX_NEW} and --throughput-length 2 x --decode-steps (a request's "
+            "length is its prompt and its new tokens)"
+        )
     t0 = time.perf_counter()
-    results = {"model": model_dir, "policy": args.policy, "budget": args.budget, "kv_space_mib": args.kv_space_mib,
-               "throughput_space_mib": args.throughput_space_mib, "throughput_length": args.throughput_length,
-               "batched_tokens": args.batched_tokens, "eager": args.eager, "kvpop_compile_in_throughput": not args.no_compile,
-               "admission": {}, "throughput": {}}  # fmt: skip
-    passthrough = ["--policy", args.policy, "--budget", str(args.budget), "--lengths", ",".join(map(str, args.lengths)),
-                   "--kv-space-mib", str(args.kv_space_mib), "--concurrency", ",".join(map(str, args.concurrency)),
-                   "--throughput-length", str(args.throughput_length),
-                   "--throughput-space-mib", str(args.throughput_space_mib), "--decode-steps", str(args.decode_steps),
-                   "--batched-tokens", str(args.batched_tokens), *(["--eager"] if args.eager else []),
-                   *(["--no-compile"] if args.no_compile else [])]  # fmt: skip
+    results = {
+        "model": model_dir,
+        "policy": args.policy,
+        "budget": args.budget,
+        "kv_space_mib": args.kv_space_mib,
+        "throughput_space_mib": args.throughput_space_mib,
+        "throughput_length": args.throughput_length,
+        "batched_tokens": args.batched_tokens,
+        "eager": args.eager,
+        "kvpop_compile_in_throughput": not args.no_compile,
+        "admission": {},
+        "throughput": {},
+    }
+    passthrough = [
+        "--policy",
+        args.policy,
+        "--budget",
+        str(args.budget),
+        "--lengths",
+        ",".join(map(str, args.lengths)),
+        "--kv-space-mib",
+        str(args.kv_space_mib),
+        "--concurrency",
+        ",".join(map(str, args.concurrency)),
+        "--throughput-length",
+        str(args.throughput_length),
+        "--throughput-space-mib",
+        str(args.throughput_space_mib),
+        "--decode-steps",
+        str(args.decode_steps),
+        "--batched-tokens",
+        str(args.batched_tokens),
+        *(["--eager"] if args.eager else []),
+        *(["--no-compile"] if args.no_compile else []),
+    ]
     for part in ("admission", "throughput"):
         for mode in (DENSE, args.policy):
             print(f"[bench vllm] {part}: {mode} ...", file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory() as tmp:
                 result = Path(tmp, "result.json")
-                cmd = [sys.executable, "-m", "kvpop.bench.vllm", "--_worker", part, mode, str(result),
-                       "--_model_dir", model_dir, *passthrough]  # fmt: skip
-                env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "kvpop.bench.vllm",
+                    "--_worker",
+                    part,
+                    mode,
+                    str(result),
+                    "--_model_dir",
+                    model_dir,
+                    *passthrough,
+                ]
+                env = {
+                    **os.environ,
+                    "HF_HUB_OFFLINE": "1",
+                    "TRANSFORMERS_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false",
+                }
                 env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the space is set per engine (kv_cache_memory_bytes)
                 res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
                 if res.returncode != 0 or not result.is_file():
@@ -255,23 +346,40 @@ def main(argv=None) -> int:
     table = []
     dense, kv = results["admission"][DENSE]["rows"], results["admission"][args.policy]["rows"]
     for d, k in zip(dense, kv):
-        table.append({"length": d["length"], "dense": d["admitted"], "kvpop": k["admitted"],
-                      "ratio": k["admitted"] / max(1, d["admitted"]), "L_over_B": d["length"] / args.budget})  # fmt: skip
+        table.append(
+            {
+                "length": d["length"],
+                "dense": d["admitted"],
+                "kvpop": k["admitted"],
+                "ratio": k["admitted"] / max(1, d["admitted"]),
+                "L_over_B": d["length"] / args.budget,
+            }
+        )
     tp = []
     for d, k in zip(results["throughput"][DENSE]["rows"], results["throughput"][args.policy]["rows"]):
-        tp.append({"count": d["count"], "dense_tokens_per_s": d["tokens_per_s"], "kvpop_tokens_per_s": k["tokens_per_s"],
-                   "ratio": k["tokens_per_s"] / d["tokens_per_s"]})  # fmt: skip
+        tp.append(
+            {
+                "count": d["count"],
+                "dense_tokens_per_s": d["tokens_per_s"],
+                "kvpop_tokens_per_s": k["tokens_per_s"],
+                "ratio": k["tokens_per_s"] / d["tokens_per_s"],
+            }
+        )
     results["table"] = {"admission": table, "throughput": tp}
     results["wall_seconds"] = time.perf_counter() - t0
     out = Path(args.out)
     write_json(results, out.with_suffix(".json"))
     plot(results, out.with_suffix(".png"))
     for row in table:
-        print(f"L={row['length']:>5}  admitted dense {row['dense']:>3}  {args.policy}@{args.budget} {row['kvpop']:>3}  "
-              f"x{row['ratio']:.1f} (L/B = {row['L_over_B']:.0f})")
+        print(
+            f"L={row['length']:>5}  admitted dense {row['dense']:>3}  {args.policy}@{args.budget} {row['kvpop']:>3}  "
+            f"x{row['ratio']:.1f} (L/B = {row['L_over_B']:.0f})"
+        )
     for row in tp:
-        print(f"{row['count']} x {args.throughput_length} tokens: decode {row['dense_tokens_per_s']:.1f} tok/s dense, "
-              f"{row['kvpop_tokens_per_s']:.1f} tok/s {args.policy}  x{row['ratio']:.2f}")
+        print(
+            f"{row['count']} x {args.throughput_length} tokens: decode {row['dense_tokens_per_s']:.1f} tok/s dense, "
+            f"{row['kvpop_tokens_per_s']:.1f} tok/s {args.policy}  x{row['ratio']:.2f}"
+        )
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')} in {results['wall_seconds']:.0f} s")
     return 0
 

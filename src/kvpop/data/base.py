@@ -119,8 +119,13 @@ def read_text(path: Path) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def read_py_files(root: Path, top: Path, skip_dirs: set[str], skip_files: tuple[str, ...] = ("test_",),
-                  skip_dir_prefixes: tuple[str, ...] = (".",)) -> list[Document]:
+def read_py_files(
+    root: Path,
+    top: Path,
+    skip_dirs: set[str],
+    skip_files: tuple[str, ...] = ("test_",),
+    skip_dir_prefixes: tuple[str, ...] = (".",),
+) -> list[Document]:
     """Every non-empty ``.py`` file under ``top`` (folders in ``skip_dirs`` or starting with a prefix in
     ``skip_dir_prefixes`` skipped, files starting with one of ``skip_files`` too), its path relative to
     ``root`` as id: the source-code corpora."""

@@ -18,8 +18,18 @@ from .splits import SPLITS, check_split, split_documents
 from .wikipedia import CORPUS as WIKIPEDIA
 
 CORPORA: dict[str, Corpus] = {
-    c.name: c for c in (SHAKESPEARE, PAUL_GRAHAM, WIKIPEDIA, PYTHON_DOCS, PYTHON_CODE, HUMAN_EVAL, PERL_DOCS, GIT_DOCS,
-                    PACKAGE_CODE)
+    c.name: c
+    for c in (
+        SHAKESPEARE,
+        PAUL_GRAHAM,
+        WIKIPEDIA,
+        PYTHON_DOCS,
+        PYTHON_CODE,
+        HUMAN_EVAL,
+        PERL_DOCS,
+        GIT_DOCS,
+        PACKAGE_CODE,
+    )
 }
 EVALUATION_CORPORA: tuple[str, ...] = tuple(n for n, c in CORPORA.items() if c.evaluation)
 

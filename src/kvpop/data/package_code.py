@@ -25,8 +25,9 @@ def locate() -> Path | None:
 
 
 def read(root: Path) -> list[Document]:
-    return [d for package in PACKAGES if (root / package).is_dir()
-            for d in read_py_files(root, root / package, SKIP_DIRS)]  # fmt: skip
+    return [
+        d for package in PACKAGES if (root / package).is_dir() for d in read_py_files(root, root / package, SKIP_DIRS)
+    ]
 
 
 CORPUS = Corpus(

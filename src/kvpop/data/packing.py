@@ -128,8 +128,9 @@ def long_documents(
     return out
 
 
-def _windows_of(tokenizer: Any, corpus: str, seq_len: int, split: str, rng: random.Random,
-                root: str | os.PathLike | None = None) -> Iterator[torch.Tensor]:
+def _windows_of(
+    tokenizer: Any, corpus: str, seq_len: int, split: str, rng: random.Random, root: str | os.PathLike | None = None
+) -> Iterator[torch.Tensor]:
     """One shuffled pass of non-overlapping ``seq_len`` windows of a corpus split, shaped like the
     evaluation documents of :func:`long_documents`: plain text, no BOS/EOS; long documents give
     several windows (from a random offset), short-document corpora are joined with blank lines."""
@@ -210,8 +211,10 @@ def round_robin_windows(
     (one shuffled pass of each, as :func:`training_windows` cuts them); a corpus without more windows
     drops out, so fewer than ``n`` come back only when every corpus ran out. Validation sets built
     this way weigh the corpora evenly instead of by size."""
-    streams = {c: _windows_of(tokenizer, c, seq_len, split, random.Random(f"{seed}:{c}:rr"), (root or {}).get(c))
-               for c in dict.fromkeys(corpora)}  # fmt: skip
+    streams = {
+        c: _windows_of(tokenizer, c, seq_len, split, random.Random(f"{seed}:{c}:rr"), (root or {}).get(c))
+        for c in dict.fromkeys(corpora)
+    }
     out: list[tuple[str, torch.Tensor]] = []
     while len(out) < n and streams:
         for c in list(streams):

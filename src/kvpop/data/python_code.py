@@ -9,9 +9,17 @@ from .base import Corpus, Document, read_py_files
 
 # Folders of the stdlib that are tests, installed packages, build data or generated tables.
 SKIP_DIRS = {
-    "test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__",
-    "lib-dynload", "pydoc_data", "encodings", "_bundled",
-}  # fmt: skip
+    "test",
+    "tests",
+    "idle_test",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "lib-dynload",
+    "pydoc_data",
+    "encodings",
+    "_bundled",
+}
 
 
 def locate() -> Path | None:
@@ -20,8 +28,9 @@ def locate() -> Path | None:
 
 
 def read(root: Path) -> list[Document]:
-    return read_py_files(root, root, SKIP_DIRS, skip_files=("_sysconfigdata", "test_"),
-                         skip_dir_prefixes=(".", "config-"))
+    return read_py_files(
+        root, root, SKIP_DIRS, skip_files=("_sysconfigdata", "test_"), skip_dir_prefixes=(".", "config-")
+    )
 
 
 CORPUS = Corpus(

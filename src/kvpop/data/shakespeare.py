@@ -25,8 +25,10 @@ def strip_gutenberg(text: str) -> str:
 def read(root: Path) -> list[Document]:
     # Only *_gut.txt: the *_gut_f.txt First Folio files are near-duplicates of the same
     # plays and would leak text across splits.
-    return [Document(path.name[: -len("_gut.txt")], strip_gutenberg(read_text(path)))
-            for path in (root / "texts").glob("*_gut.txt")]  # fmt: skip
+    return [
+        Document(path.name[: -len("_gut.txt")], strip_gutenberg(read_text(path)))
+        for path in (root / "texts").glob("*_gut.txt")
+    ]
 
 
 CORPUS = Corpus(

@@ -48,6 +48,4 @@ def read_user_documents(path: str | os.PathLike) -> list[Document]:
         if not docs:
             raise ValueError(f"{str(path)!r} contains no documents")
         return docs
-    raise ValueError(
-        f"{str(path)!r}: expected a folder of .txt files or a .jsonl file with a 'text' field per line"
-    )
+    raise ValueError(f"{str(path)!r}: expected a folder of .txt files or a .jsonl file with a 'text' field per line")

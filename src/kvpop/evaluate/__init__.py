@@ -5,7 +5,8 @@ Python API::
 
     from kvpop import EvictionConfig
     from kvpop.evaluate import teacher_forced, EvalConfig, run_eval
-    m = teacher_forced(model, ids, "knorm", EvictionConfig.from_budget(512))   # one document, metrics over positions >= B
+    # one document, metrics over positions >= B
+    m = teacher_forced(model, ids, "knorm", EvictionConfig.from_budget(512))
     results = run_eval(model, tok, EvalConfig(tasks=("lm",)), documents={"mine": [ids]}, out="runs/x")
 
 The measurement itself (one forward under the cache, scored against the dense forward) is

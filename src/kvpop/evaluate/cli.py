@@ -54,36 +54,67 @@ def build_parser() -> argparse.ArgumentParser:
         "greedy agreement. Writes OUT/results.json, OUT/table.md and OUT/<task>.png. Resumable (rerun the same "
         "command) and splittable (--shard I/N, --merge).",
     )
-    p.add_argument("--task", "--tasks", dest="tasks", nargs="+", choices=TASKS,
-                   help=f"default: {' '.join(DEFAULT_TASKS)} (lm includes the long-dependency tokens; continuation "
-                   "shares lm's forward)")  # fmt: skip
-    p.add_argument("--policies", nargs="+",
-                   help=f"default: {' '.join(ALL_POLICIES)}; one that cannot be built is an error unless "
-                   "--skip-unavailable")  # fmt: skip
-    p.add_argument("--skip-unavailable", action="store_true",
-                   help="run the available policies and list the others as skipped (default: exit with an error)")
-    p.add_argument("--compression", nargs="+", type=float,
-                   help="compression ratios of --reference-length (default 0.75 0.875 0.9375)")  # fmt: skip
+    p.add_argument(
+        "--task",
+        "--tasks",
+        dest="tasks",
+        nargs="+",
+        choices=TASKS,
+        help=f"default: {' '.join(DEFAULT_TASKS)} (lm includes the long-dependency tokens; continuation "
+        "shares lm's forward)",
+    )
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        help=f"default: {' '.join(ALL_POLICIES)}; one that cannot be built is an error unless --skip-unavailable",
+    )
+    p.add_argument(
+        "--skip-unavailable",
+        action="store_true",
+        help="run the available policies and list the others as skipped (default: exit with an error)",
+    )
+    p.add_argument(
+        "--compression",
+        nargs="+",
+        type=float,
+        help="compression ratios of --reference-length (default 0.75 0.875 0.9375)",
+    )
     p.add_argument("--reference-length", type=int, help="L in B = (1 - compression) L (default 4096)")
     p.add_argument("--sinks", type=int, help="sink tokens (default 4)")
-    p.add_argument("--window", type=int,
-                   help="one protected window for every policy (StreamingLLM: always the whole budget)")
-    p.add_argument("--window-fraction", type=float,
-                   help="window = fraction * B for every window-based policy, the same for all (default: each "
-                        "policy's own, as a cache resolves it: B / 2, or a learned scorer's trained fraction)")
-    p.add_argument("--lam", type=float,
-                   help="recency tilt r(t) + lam * t for every policy (default: a learned scorer's trained lam, else 0)")
+    p.add_argument(
+        "--window", type=int, help="one protected window for every policy (StreamingLLM: always the whole budget)"
+    )
+    p.add_argument(
+        "--window-fraction",
+        type=float,
+        help="window = fraction * B for every window-based policy, the same for all (default: each "
+        "policy's own, as a cache resolves it: B / 2, or a learned scorer's trained fraction)",
+    )
+    p.add_argument(
+        "--lam",
+        type=float,
+        help="recency tilt r(t) + lam * t for every policy (default: a learned scorer's trained lam, else 0)",
+    )
     p.add_argument("--docs", type=int, help="documents per corpus / user source (default 2)")
     p.add_argument("--doc-tokens", type=int, help="tokens per LM document (default 4096)")
     p.add_argument("--continuation-tokens", type=int, help="continuation = the last N predictions (default doc/16)")
-    p.add_argument("--longdep-threshold", type=float,
-                   help="nats by which the full context must beat the window-only run (default 0.5)")
+    p.add_argument(
+        "--longdep-threshold",
+        type=float,
+        help="nats by which the full context must beat the window-only run (default 0.5)",
+    )
     p.add_argument("--corpora", nargs="+", help="built-in corpora (default: the six evaluation corpora)")
-    p.add_argument("--split", choices=SPLITS,
-                   help="which split of the corpora the documents come from (default test; validation to choose "
-                        "between scorers or settings without looking at the test documents)")
-    p.add_argument("--docs-from", help="a folder of .txt files or a .jsonl with 'text': evaluate on these instead "
-                   "(lm, long-dependency tokens and continuation by default)")  # fmt: skip
+    p.add_argument(
+        "--split",
+        choices=SPLITS,
+        help="which split of the corpora the documents come from (default test; validation to choose "
+        "between scorers or settings without looking at the test documents)",
+    )
+    p.add_argument(
+        "--docs-from",
+        help="a folder of .txt files or a .jsonl with 'text': evaluate on these instead "
+        "(lm, long-dependency tokens and continuation by default)",
+    )
     p.add_argument("--needle-lengths", nargs="+", type=int, help="needle prompt lengths (default 2048 4096 8000)")
     p.add_argument("--needle-depths", nargs="+", type=float, help="needle depths (default 0.1 0.5 0.9)")
     p.add_argument("--multikey-lengths", nargs="+", type=int, help="multi-key prompt lengths (default 2048 4096 8000)")
@@ -103,13 +134,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output folder (records of finished units are kept there)")
     p.add_argument("--shard", metavar="I/N", help="run the I-th of N parts (whole documents / cases, balanced)")
     p.add_argument("--max-minutes", type=float, help="stop starting new units after this long (rerun to continue)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="run nothing: print the items, units (done / to run) and estimated CPU hours per shard "
-                   "(with --shard I/N: of all N shards)")  # fmt: skip
-    p.add_argument("--merge", nargs="+", metavar="DIR",
-                   help="combine the records of these output folders into --out (no model, nothing run); "
-                        "--task, --compression, --policies, --needle-lengths and --multikey-lengths, when "
-                        "given, limit what goes in")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run nothing: print the items, units (done / to run) and estimated CPU hours per shard "
+        "(with --shard I/N: of all N shards)",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="DIR",
+        help="combine the records of these output folders into --out (no model, nothing run); "
+        "--task, --compression, --policies, --needle-lengths and --multikey-lengths, when "
+        "given, limit what goes in",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -123,16 +161,29 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args) -> EvalConfig:
     over = {}
     for name, key in [
-        ("tasks", "tasks"), ("policies", "policies"), ("compression", "compressions"),
-        ("reference_length", "reference_length"), ("sinks", "sinks"), ("window", "window"), ("docs", "docs"),
-        ("window_fraction", "window_fraction"), ("lam", "lam"),
-        ("doc_tokens", "doc_tokens"), ("continuation_tokens", "continuation_tokens"),
-        ("longdep_threshold", "longdep_threshold"), ("corpora", "corpora"), ("split", "split"),
+        ("tasks", "tasks"),
+        ("policies", "policies"),
+        ("compression", "compressions"),
+        ("reference_length", "reference_length"),
+        ("sinks", "sinks"),
+        ("window", "window"),
+        ("docs", "docs"),
+        ("window_fraction", "window_fraction"),
+        ("lam", "lam"),
+        ("doc_tokens", "doc_tokens"),
+        ("continuation_tokens", "continuation_tokens"),
+        ("longdep_threshold", "longdep_threshold"),
+        ("corpora", "corpora"),
+        ("split", "split"),
         ("needle_lengths", "needle_lengths"),
-        ("needle_depths", "needle_depths"), ("multikey_lengths", "multikey_lengths"),
-        ("multikey_cases", "multikey_cases"), ("multikey_keys", "multikey_keys"),
-        ("agreement_tokens", "agreement_tokens"), ("seed", "seed"), ("bootstrap", "bootstrap"),
-    ]:  # fmt: skip
+        ("needle_depths", "needle_depths"),
+        ("multikey_lengths", "multikey_lengths"),
+        ("multikey_cases", "multikey_cases"),
+        ("multikey_keys", "multikey_keys"),
+        ("agreement_tokens", "agreement_tokens"),
+        ("seed", "seed"),
+        ("bootstrap", "bootstrap"),
+    ]:
         v = getattr(args, name, None)
         if v is not None:
             over[key] = tuple(v) if isinstance(v, list) else v
@@ -189,8 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.merge:
         try:
-            keep = unit_filter(tasks=args.tasks, compressions=args.compression, policies=args.policies,
-                               needle_lengths=args.needle_lengths, multikey_lengths=args.multikey_lengths)
+            keep = unit_filter(
+                tasks=args.tasks,
+                compressions=args.compression,
+                policies=args.policies,
+                needle_lengths=args.needle_lengths,
+                multikey_lengths=args.multikey_lengths,
+            )
             check_writable_dir(args.out, "--out")
             results = merge(args.merge, args.out, plots=not args.no_plots, keep=keep)
         except (StoreMismatch, ValueError) as exc:
@@ -198,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             return _err(_os_message(exc))
         print(table(results))
-        print(f"merged {len(args.merge)} folder(s): {len(results['units'])} units -> {args.out}/results.json, "
-              f"{args.out}/table.md")  # fmt: skip
+        print(
+            f"merged {len(args.merge)} folder(s): {len(results['units'])} units -> {args.out}/results.json, "
+            f"{args.out}/table.md"
+        )
         return 0
     try:
         check_numbers(args)
@@ -227,26 +285,38 @@ def main(argv: list[str] | None = None) -> int:
         if text_tasks and not ids:
             return _err(f"no document of {cfg.doc_tokens} tokens in {args.docs_from} (lower --doc-tokens)")
         documents = {"user": ids}
-        notes.append(f"--docs-from {args.docs_from}: {', '.join(text_tasks) or 'no text task'} on {len(ids)} "
-                     f"document(s) of {cfg.doc_tokens} tokens (lm includes the long-dependency tokens)")  # fmt: skip
+        notes.append(
+            f"--docs-from {args.docs_from}: {', '.join(text_tasks) or 'no text task'} on {len(ids)} "
+            f"document(s) of {cfg.doc_tokens} tokens (lm includes the long-dependency tokens)"
+        )
         synthetic = [t for t in ("needle", "multikey") if t in cfg.tasks]
         if synthetic:
             filler = user_text
             notes.append(f"{' and '.join(synthetic)}: synthetic retrieval cases built with YOUR text as filler")
         else:
-            notes.append("needle and multi-key recall are synthetic retrieval tasks, not run on your text "
-                         "(ask with --task needle multikey to use your text as their filler)")  # fmt: skip
+            notes.append(
+                "needle and multi-key recall are synthetic retrieval tasks, not run on your text "
+                "(ask with --task needle multikey to use your text as their filler)"
+            )
         if "agreement" not in cfg.tasks:
             notes.append("greedy agreement with dense not run (ask with --task agreement)")
         for n in notes:
             print(f"[kvpop eval] {n}", flush=True)
     try:
         results = run_eval(
-            model, tokenizer, cfg, documents=documents, filler=filler, out=args.out,
-            progress=not args.no_progress, plots=not args.no_plots, shard=args.shard,
-            time_limit_s=None if args.max_minutes is None else 60.0 * args.max_minutes, notes=notes,
+            model,
+            tokenizer,
+            cfg,
+            documents=documents,
+            filler=filler,
+            out=args.out,
+            progress=not args.no_progress,
+            plots=not args.no_plots,
+            shard=args.shard,
+            time_limit_s=None if args.max_minutes is None else 60.0 * args.max_minutes,
+            notes=notes,
             dry_run=args.dry_run,
-        )  # fmt: skip
+        )
     except PolicyUnavailable as exc:
         return _err(str(exc))
     except (StoreMismatch, ValueError) as exc:
@@ -255,18 +325,22 @@ def main(argv: list[str] | None = None) -> int:
         return _err(_os_message(exc))
     if args.dry_run:
         for s in results["shards"]:
-            print(f"shard {s['shard']}: {s['items']} items {s['items_by_kind']}, {s['units']} units "
-                  f"({s['done']} done), ~{s['cpu_hours_to_run']:.2f} CPU hours to run "
-                  f"(~{s['cpu_hours_total']:.2f} in all; one thread, estimated)")  # fmt: skip
+            print(
+                f"shard {s['shard']}: {s['items']} items {s['items_by_kind']}, {s['units']} units "
+                f"({s['done']} done), ~{s['cpu_hours_to_run']:.2f} CPU hours to run "
+                f"(~{s['cpu_hours_total']:.2f} in all; one thread, estimated)"
+            )
         for n in results["notes"]:
             print(f"note: {n}")
         return 0
     print(table(results))
     last = results["sessions"][-1] if results.get("sessions") else {}
     left = last.get("units_remaining", 0)
-    print(f"wrote {args.out}/results.json ({len(results['units'])} units, {len(results['records'])} rows) and "
-          f"{args.out}/table.md in {time.perf_counter() - t0:.1f}s"
-          + (f"; {left} units of this run remain: rerun the same command to continue" if left else ""))  # fmt: skip
+    print(
+        f"wrote {args.out}/results.json ({len(results['units'])} units, {len(results['records'])} rows) and "
+        f"{args.out}/table.md in {time.perf_counter() - t0:.1f}s"
+        + (f"; {left} units of this run remain: rerun the same command to continue" if left else "")
+    )
     return 0
 
 

@@ -63,9 +63,17 @@ def oracle_targets_multi(model, input_ids: Tensor, windows) -> dict[int, list[Te
     return out
 
 
-def build_cache(model, name: str | Policy, budget: int, *, sinks: int = 4, window: int | None = None,
-                oracle: dict[int, list[Tensor]] | None = None, lam: float | None = None,
-                **policy_kwargs) -> KVpopCache | None:  # fmt: skip
+def build_cache(
+    model,
+    name: str | Policy,
+    budget: int,
+    *,
+    sinks: int = 4,
+    window: int | None = None,
+    oracle: dict[int, list[Tensor]] | None = None,
+    lam: float | None = None,
+    **policy_kwargs,
+) -> KVpopCache | None:
     """The cache of policy ``name`` at ``budget`` slots per KV head (``None`` for dense).
 
     ``window=None`` is passed through to :func:`kvpop.make_cache`, so every policy gets its own
@@ -84,7 +92,9 @@ def build_cache(model, name: str | Policy, budget: int, *, sinks: int = 4, windo
         if name == ORACLE:
             ev = resolve_eviction(budget, window=window, sinks=sinks, lam=lam or 0.0)
             if oracle is None or ev.window not in oracle:
-                raise PolicyUnavailable(f"oracle needs the targets of window {ev.window} (the whole sequence in advance)")
+                raise PolicyUnavailable(
+                    f"oracle needs the targets of window {ev.window} (the whole sequence in advance)"
+                )
             return make_cache(model, OraclePolicy(oracle[ev.window]), eviction=ev)
         return make_cache(model, name, budget=budget, window=window, sinks=sinks, lam=lam, **policy_kwargs)
     except PolicyUnavailable:
@@ -94,8 +104,15 @@ def build_cache(model, name: str | Policy, budget: int, *, sinks: int = 4, windo
 
 
 @torch.no_grad()
-def teacher_forced(model, input_ids: Tensor, policy: str, budget: EvictionConfig, *, dense: DenseOutputs | None = None,
-                   policy_kwargs: dict | None = None) -> dict:  # fmt: skip
+def teacher_forced(
+    model,
+    input_ids: Tensor,
+    policy: str,
+    budget: EvictionConfig,
+    *,
+    dense: DenseOutputs | None = None,
+    policy_kwargs: dict | None = None,
+) -> dict:
     """Teacher-forced metrics of one document (1-D ids) under ``policy`` at ``budget``: the ``lm`` task
     of :func:`kvpop.quality.score_document` (positions ``>= B``; every position when ``B`` leaves none,
     where the policy equals dense). ``"oracle"`` captures the document's true targets first. Returns
@@ -108,13 +125,22 @@ def teacher_forced(model, input_ids: Tensor, policy: str, budget: EvictionConfig
     dh, _ = dense.get(model, input_ids)
     t0 = time.perf_counter()
     oracle = oracle_targets_multi(model, input_ids, [budget.window]) if policy == ORACLE else None
-    cache = build_cache(model, policy, budget.budget, sinks=budget.sinks, window=budget.window, lam=budget.lam,
-                        oracle=oracle, **(policy_kwargs or {}))  # fmt: skip
+    cache = build_cache(
+        model,
+        policy,
+        budget.budget,
+        sinks=budget.sinks,
+        window=budget.window,
+        lam=budget.lam,
+        oracle=oracle,
+        **(policy_kwargs or {}),
+    )
     ph = dh if cache is None else hidden_states(model, input_ids, cache)
     doc = score_document(model, input_ids, dh, ph, budget.budget)
     out = doc.lm.metrics()
-    out.update(scored_from=doc.lm_from, continuation_retention=doc.continuation.retention,
-               wall_s=time.perf_counter() - t0)  # fmt: skip
+    out.update(
+        scored_from=doc.lm_from, continuation_retention=doc.continuation.retention, wall_s=time.perf_counter() - t0
+    )
     return out
 
 

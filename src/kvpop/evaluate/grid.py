@@ -87,8 +87,15 @@ class Settings:
         if name in (DENSE, ORACLE) or policy_available(name) is not None:
             return name
         if name not in self.resolved:
-            self.resolved[name] = build_cache(model, name, budget, sinks=self.sinks, window=self.window_for(budget),
-                                              lam=self.lam, **self.policy_kwargs.get(name, {})).policy  # fmt: skip
+            self.resolved[name] = build_cache(
+                model,
+                name,
+                budget,
+                sinks=self.sinks,
+                window=self.window_for(budget),
+                lam=self.lam,
+                **self.policy_kwargs.get(name, {}),
+            ).policy
         return self.resolved[name]
 
     def window_for(self, budget: int) -> int | None:
@@ -131,8 +138,15 @@ def partition(items: list[Item], costs: list[float], n: int) -> list[int]:
 # ~45 s, results/grid/kvpop-mlp-1M) and 8,000-token ones at B = 384 / 2,048 (~65-110 / ~180-390 s,
 # results/grid8k's H2O, TOVA and SnapKV, the spread from the machine's load), where a per-token
 # constant alone estimated a seventh to a half of what the 8,000-token units took.
-CPU_S_PER_TOKEN = {"policy": 4.1e-3, "policy_per_slot": 7e-6, "dense": 4.0e-3, "window": 3.2e-3,
-                   "capture": 9.6e-3, "metrics": 1.7e-3, "dense_logp": 1.4e-3}  # fmt: skip
+CPU_S_PER_TOKEN = {
+    "policy": 4.1e-3,
+    "policy_per_slot": 7e-6,
+    "dense": 4.0e-3,
+    "window": 3.2e-3,
+    "capture": 9.6e-3,
+    "metrics": 1.7e-3,
+    "dense_logp": 1.4e-3,
+}
 CPU_S_PER_NEW_TOKEN = 0.055
 
 
@@ -220,8 +234,9 @@ class ItemContext:
 
     def dense_hidden(self) -> Tensor:
         if self._dense_hidden is None:
-            self._dense_hidden = self._kept("dense_hidden", lambda: {
-                "h": hidden_states(self.model, self.item.ids, None)}, self.model.device)["h"]  # fmt: skip
+            self._dense_hidden = self._kept(
+                "dense_hidden", lambda: {"h": hidden_states(self.model, self.item.ids, None)}, self.model.device
+            )["h"]
         return self._dense_hidden
 
     def dense_logp(self, lo: int, hi: int) -> tuple[int, Tensor | None]:
@@ -256,8 +271,9 @@ class ItemContext:
 
     def oracle(self) -> dict[int, list[Tensor]]:
         if self._oracle is None:
-            windows = sorted({resolve_eviction(b, sinks=self.s.sinks, window=self.s.window_for(b)).window
-                              for b in self.s.budgets})  # fmt: skip
+            windows = sorted(
+                {resolve_eviction(b, sinks=self.s.sinks, window=self.s.window_for(b)).window for b in self.s.budgets}
+            )
 
             def run():
                 t = oracle_targets_multi(self.model, self.sequence(), windows)
@@ -276,24 +292,43 @@ class ItemContext:
     def dense_new(self) -> Tensor:
         if self._dense_new is None:
             n, force = self.n_new()
-            self._dense_new = self._kept(f"dense_new-{n}", lambda: {
-                "ids": greedy(self.model, self.tokenizer, self.item.ids, n, None, force)})["ids"]  # fmt: skip
+            self._dense_new = self._kept(
+                f"dense_new-{n}", lambda: {"ids": greedy(self.model, self.tokenizer, self.item.ids, n, None, force)}
+            )["ids"]
         return self._dense_new
 
     def cache(self, policy: str, budget: int):
         oracle = self.oracle() if policy == ORACLE else None
-        return build_cache(self.model, self.s.policy(self.model, policy, budget), budget, sinks=self.s.sinks,
-                           window=self.s.window_for(budget), oracle=oracle, lam=self.s.lam)  # fmt: skip
+        return build_cache(
+            self.model,
+            self.s.policy(self.model, policy, budget),
+            budget,
+            sinks=self.s.sinks,
+            window=self.s.window_for(budget),
+            oracle=oracle,
+            lam=self.s.lam,
+        )
 
     # -------------------------------------------------------------------------- units
 
     def run(self, policy: str, budget: int | None) -> dict:
         item = self.item
-        rec = {"key": unit_key(item.id, policy, budget), "kind": item.kind, "item_id": item.id,
-               "source": item.source, "domain": item.domain, "item": item.index, "doc_sha1": item.sha1,
-               "tokens": item.ids.numel(), "policy": policy, "budget": budget,
-               "compression": None if budget is None else 1.0 - budget / self.s.reference_length,
-               "sinks": None, "window": None, "k": None}  # fmt: skip
+        rec = {
+            "key": unit_key(item.id, policy, budget),
+            "kind": item.kind,
+            "item_id": item.id,
+            "source": item.source,
+            "domain": item.domain,
+            "item": item.index,
+            "doc_sha1": item.sha1,
+            "tokens": item.ids.numel(),
+            "policy": policy,
+            "budget": budget,
+            "compression": None if budget is None else 1.0 - budget / self.s.reference_length,
+            "sinks": None,
+            "window": None,
+            "k": None,
+        }
         shared0 = self.shared_wall_s
         if item.kind == "doc":
             self.dense_hidden()
@@ -340,11 +375,20 @@ class ItemContext:
         ph = dh if cache is None else hidden_states(self.model, ids, cache)
         lo_all, lo_cont = lm_start(S, budget), continuation_start(S, self.s.continuation_tokens)
         first, logp = self.dense_logp(min(lo_all, lo_cont), S - 1)
-        doc = score_document(self.model, ids, dh, ph, budget, self.s.continuation_tokens, dense_logp=logp,
-                             dense_lo=first)  # fmt: skip
+        doc = score_document(
+            self.model, ids, dh, ph, budget, self.s.continuation_tokens, dense_logp=logp, dense_lo=first
+        )
         gain = self.window_nll(budget)[doc.lo : S - 1] - doc.stats["nll_dense"]
         longdep = gain > self.s.longdep_threshold
-        sums = {"all": doc.sums(doc.lm_from), "longdep": doc.sums(doc.lm_from, longdep),
-                "cont": doc.sums(doc.continuation_from), "cont_longdep": doc.sums(doc.continuation_from, longdep)}
-        return {"scored_from": doc.lm_from, "continuation_from": doc.continuation_from,
-                "longdep_threshold": self.s.longdep_threshold, "sums": {k: sums_to_dict(v) for k, v in sums.items()}}
+        sums = {
+            "all": doc.sums(doc.lm_from),
+            "longdep": doc.sums(doc.lm_from, longdep),
+            "cont": doc.sums(doc.continuation_from),
+            "cont_longdep": doc.sums(doc.continuation_from, longdep),
+        }
+        return {
+            "scored_from": doc.lm_from,
+            "continuation_from": doc.continuation_from,
+            "longdep_threshold": self.s.longdep_threshold,
+            "sums": {k: sums_to_dict(v) for k, v in sums.items()},
+        }

@@ -104,9 +104,7 @@ class EvalConfig:
     # scorers or settings without looking at the test documents
     split: str = "test"
     seed: int = 0
-    policy_kwargs: dict | None = (
-        None  # policy name -> factory kwargs, e.g. {"kvpop": {"path": "scorer.safetensors"}}
-    )
+    policy_kwargs: dict | None = None  # policy name -> factory kwargs, e.g. {"kvpop": {"path": "scorer.safetensors"}}
     skip_unavailable: bool = False  # False: a requested policy that cannot be built is an error
     bootstrap: int = 2000  # resamples for the 95% intervals
 
@@ -114,18 +112,27 @@ class EvalConfig:
         """One resolved budget per compression (:func:`kvpop.config.resolve_eviction`, the one resolver), at
         the window every policy gets (:meth:`Settings.window_for`), else the library default ``B / 2``."""
         rule = TrainedSettings(window=self.window, window_fraction=self.window_fraction)
-        return [resolve_eviction(compression=c, reference_length=self.reference_length, sinks=self.sinks, trained=rule,
-                                 warn=False) for c in self.compressions]  # fmt: skip
+        return [
+            resolve_eviction(
+                compression=c, reference_length=self.reference_length, sinks=self.sinks, trained=rule, warn=False
+            )
+            for c in self.compressions
+        ]
 
     def settings(self) -> Settings:
         """What every unit of this run depends on besides its item, policy and budget."""
         return Settings(
-            sinks=self.sinks, window=self.window, window_fraction=self.window_fraction, lam=self.lam,
+            sinks=self.sinks,
+            window=self.window,
+            window_fraction=self.window_fraction,
+            lam=self.lam,
             longdep_threshold=self.longdep_threshold,
-            continuation_tokens=self.cont_tokens(), agreement_tokens=self.agreement_tokens,
-            reference_length=self.reference_length, budgets=tuple(b.budget for b in self.budgets()),
+            continuation_tokens=self.cont_tokens(),
+            agreement_tokens=self.agreement_tokens,
+            reference_length=self.reference_length,
+            budgets=tuple(b.budget for b in self.budgets()),
             policy_kwargs=dict(self.policy_kwargs or {}),
-        )  # fmt: skip
+        )
 
     def cont_tokens(self) -> int:
         return self.continuation_tokens or default_continuation_tokens(self.doc_tokens)
@@ -191,8 +198,10 @@ def in_domain_corpora(model, cfg: EvalConfig, notes: list[str]) -> tuple[str, ..
     policy, corpora, source = found[0]
     for p, other, src in found[1:]:
         if other is None or set(other) != set(corpora):
-            notes.append(f"in domain = the corpora {policy}'s scorer ({source}) was trained on: {', '.join(corpora)}; "
-                         f"{p}'s scorer ({src}) was trained on {', '.join(other) if other else 'unrecorded corpora'}")
+            notes.append(
+                f"in domain = the corpora {policy}'s scorer ({source}) was trained on: {', '.join(corpora)}; "
+                f"{p}'s scorer ({src}) was trained on {', '.join(other) if other else 'unrecorded corpora'}"
+            )
     return corpora
 
 
@@ -200,8 +209,9 @@ def _domain(corpus: str, in_domain: tuple[str, ...]) -> str:
     return "in_domain" if corpus in in_domain else "out_of_domain"
 
 
-def corpus_documents(tokenizer, cfg: EvalConfig, notes: list[str],
-                     in_domain: tuple[str, ...] | None = None) -> list[tuple[str, str, list[Tensor]]]:  # fmt: skip
+def corpus_documents(
+    tokenizer, cfg: EvalConfig, notes: list[str], in_domain: tuple[str, ...] | None = None
+) -> list[tuple[str, str, list[Tensor]]]:
     """``[(domain, corpus, [ids...])]`` from the ``cfg.split`` (default test) splits of the corpora (in
     domain: ``in_domain``, by default the shipped scorers' corpora, :func:`shipped_training_corpora`)."""
     in_domain = shipped_training_corpora() if in_domain is None else tuple(in_domain)
@@ -256,8 +266,15 @@ def check_policies(model, cfg: EvalConfig) -> tuple[list[str], dict[str, str]]:
         reason = policy_available(p)
         if reason is None and p not in (DENSE, ORACLE):
             try:
-                build_cache(model, p, budget, sinks=cfg.sinks, window=settings.window_for(budget), lam=cfg.lam,
-                            **dict((cfg.policy_kwargs or {}).get(p, {})))  # fmt: skip
+                build_cache(
+                    model,
+                    p,
+                    budget,
+                    sinks=cfg.sinks,
+                    window=settings.window_for(budget),
+                    lam=cfg.lam,
+                    **dict((cfg.policy_kwargs or {}).get(p, {})),
+                )
             except PolicyUnavailable as exc:
                 reason = str(exc)
         if reason is None:
@@ -277,8 +294,9 @@ def unavailable_message(bad: dict[str, str]) -> str:
 # ------------------------------------------------------------------------------ items
 
 
-def build_items(tokenizer, cfg: EvalConfig, notes: list[str], documents=None, filler=None,
-                in_domain: tuple[str, ...] | None = None) -> list[Item]:  # fmt: skip
+def build_items(
+    tokenizer, cfg: EvalConfig, notes: list[str], documents=None, filler=None, in_domain: tuple[str, ...] | None = None
+) -> list[Item]:
     items: list[Item] = []
     tasks = set(cfg.tasks)
     if tasks & set(TEXT_TASKS):
@@ -308,8 +326,9 @@ def build_items(tokenizer, cfg: EvalConfig, notes: list[str], documents=None, fi
                 notes.append(f"needle skipped: {exc}")
         if text is not None and "multikey" in tasks:
             try:
-                for c in multikey_cases(tokenizer, text, cfg.multikey_lengths, cfg.multikey_cases,
-                                        cfg.multikey_keys, cfg.seed):  # fmt: skip
+                for c in multikey_cases(
+                    tokenizer, text, cfg.multikey_lengths, cfg.multikey_cases, cfg.multikey_keys, cfg.seed
+                ):
                     items.append(Item("multikey", src, dom, c.case_id, c.ids, case=c))
             except ValueError as exc:
                 notes.append(f"multikey skipped: {exc}")
@@ -479,8 +498,11 @@ def run_eval(
             n_done += 1
     if progress:
         where = "" if shard is None else f" (shard {shard[0]}/{shard[1]})"
-        print(f"[kvpop eval] {len(plan)} items, {n_done + len(todo)} units{where}: {n_done} done before, "
-              f"{len(todo)} to run", flush=True)  # fmt: skip
+        print(
+            f"[kvpop eval] {len(plan)} items, {n_done + len(todo)} units{where}: {n_done} done before, "
+            f"{len(todo)} to run",
+            flush=True,
+        )
     left: dict[str, int] = {}  # units of each item still to run
     for it, _, _ in todo:
         left[it.id] = left.get(it.id, 0) + 1
@@ -519,14 +541,25 @@ def run_eval(
         if stopped:
             notes.append(f"{stopped}; {remaining} units of this run remain: {RESUME_HINT}")
         session = {
-            "tag": tag, "shard": None if shard is None else f"{shard[0]}/{shard[1]}", "started": started,
-            "finished": _dt.datetime.now().isoformat(timespec="seconds"), "wall_s": time.perf_counter() - t_start,
-            "interrupted": interrupted, "tasks": list(cfg.tasks), "policies": policies, "budgets": budgets,
-            "skipped_policies": skipped, "notes": notes, "units_run": ran, "units_done_before": n_done,
-            "units_remaining": remaining, "in_domain": list(in_domain),
-            "threads": torch.get_num_threads(), "python": platform.python_version(),
+            "tag": tag,
+            "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
+            "started": started,
+            "finished": _dt.datetime.now().isoformat(timespec="seconds"),
+            "wall_s": time.perf_counter() - t_start,
+            "interrupted": interrupted,
+            "tasks": list(cfg.tasks),
+            "policies": policies,
+            "budgets": budgets,
+            "skipped_policies": skipped,
+            "notes": notes,
+            "units_run": ran,
+            "units_done_before": n_done,
+            "units_remaining": remaining,
+            "in_domain": list(in_domain),
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
             "torch": torch.__version__,
-        }  # fmt: skip
+        }
         store.add_session(session)
     if out is not None:
         _, units, sessions = load_dirs([out])
@@ -547,19 +580,29 @@ def _dry_run(plan, costs, store, shard, policies, skipped, notes) -> dict:
         mine = [(pu, c) for pu, c, o in zip(plan, costs, owner) if o == s]
         units = sum(len(u) for (_, u), _ in mine)
         done = sum(1 for (it, u), _ in mine for p, b in u if store.done(unit_key(it.id, p, b)))
-        todo_cost = sum(c * (1 - sum(1 for p, b in u if store.done(unit_key(it.id, p, b))) / max(1, len(u)))
-                        for (it, u), c in mine)  # fmt: skip
+        todo_cost = sum(
+            c * (1 - sum(1 for p, b in u if store.done(unit_key(it.id, p, b))) / max(1, len(u))) for (it, u), c in mine
+        )
         kinds: dict[str, int] = {}
         for (it, _), _ in mine:
             kinds[it.kind] = kinds.get(it.kind, 0) + 1
-        shards.append({"shard": f"{s + 1}/{n}", "items": len(mine), "items_by_kind": kinds, "units": units,
-                       "done": done, "cpu_hours_total": sum(c for _, c in mine) / 3600,
-                       "cpu_hours_to_run": todo_cost / 3600})  # fmt: skip
+        shards.append(
+            {
+                "shard": f"{s + 1}/{n}",
+                "items": len(mine),
+                "items_by_kind": kinds,
+                "units": units,
+                "done": done,
+                "cpu_hours_total": sum(c for _, c in mine) / 3600,
+                "cpu_hours_to_run": todo_cost / 3600,
+            }
+        )
     return {"dry_run": True, "policies": policies, "skipped_policies": skipped, "notes": notes, "shards": shards}
 
 
-def build_results(units: list[dict], sessions: list[dict], fp: dict, cfg: EvalConfig | None = None,
-                  n_boot: int | None = None) -> dict:  # fmt: skip
+def build_results(
+    units: list[dict], sessions: list[dict], fp: dict, cfg: EvalConfig | None = None, n_boot: int | None = None
+) -> dict:
     """The results dict from unit records alone (also after merging folders)."""
     skipped: dict[str, str] = {}
     notes: list[str] = []
@@ -569,7 +612,11 @@ def build_results(units: list[dict], sessions: list[dict], fp: dict, cfg: EvalCo
         for p, r in (s.get("skipped_policies") or {}).items():
             skipped.setdefault(p, r)
         # a "units remain" note is stale once a later process of the same shard has run
-        notes += [n for n in s.get("notes", []) if n not in notes and not (n.endswith(RESUME_HINT) and latest[s.get("tag")] != i)]
+        notes += [
+            n
+            for n in s.get("notes", [])
+            if n not in notes and not (n.endswith(RESUME_HINT) and latest[s.get("tag")] != i)
+        ]
         tasks += [t for t in s.get("tasks", []) if t not in tasks]
     present = {u["policy"] for u in units}
     policies = [p for p in ALL_POLICIES if p in present] + sorted(present - set(ALL_POLICIES))

@@ -32,8 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PROMPT_VERSION = 1  # bump when the prompt changes: records made with another one are not reused
-INSTRUCTION = ("Complete the following Python function. Reply with the complete function (its signature, body and "
-               "any imports it needs) in one ```python code block.")  # fmt: skip
+INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function (its signature, body and "
+    "any imports it needs) in one ```python code block."
+)
 
 
 @dataclass(frozen=True)
@@ -138,7 +140,7 @@ def program(case: HumanEvalCase, code: str) -> str:
 
 # ------------------------------------------------------------------------------ the sandbox
 
-_GUARD = r'''
+_GUARD = r"""
 import builtins, io, os, shutil, subprocess, sys
 _ROOT = os.path.realpath(os.getcwd())
 _SRC = open("solution.py", encoding="utf-8").read()
@@ -189,7 +191,7 @@ exec(compile(_SRC, "solution.py", "exec"), _g)
 sys.stdout.flush()
 sys.stdout.write("\n" + MARKER + "\n")
 sys.stdout.flush()
-'''
+"""
 
 
 def _limits(limits: SandboxLimits):
@@ -237,17 +239,31 @@ def run_program(source: str, limits: SandboxLimits | None = None) -> dict:
         root = Path(tmp)
         (root / "solution.py").write_text(source, encoding="utf-8")
         (root / "runner.py").write_text(f"MARKER = {marker!r}\n" + _GUARD, encoding="utf-8")
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
-               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # fmt: skip
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": tmp,
+            "TMPDIR": tmp,
+            "LANG": "C.UTF-8",
+            "PYTHONHASHSEED": "0",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
         out_path, err_path = root / "stdout.txt", root / "stderr.txt"
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
             # preexec_fn runs only setrlimit calls (values computed before the fork): the limits hold before
             # the interpreter, let alone the solution, runs
             proc = subprocess.Popen(
-                [sys.executable, "-I", "runner.py"], cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                stderr=err, start_new_session=True, close_fds=True,
+                [sys.executable, "-I", "runner.py"],
+                cwd=tmp,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                close_fds=True,
                 preexec_fn=_limits(limits),  # noqa: PLW1509
-            )  # fmt: skip
+            )
             timed_out = False
             try:
                 proc.wait(timeout=limits.timeout_s)
@@ -271,14 +287,27 @@ def run_program(source: str, limits: SandboxLimits | None = None) -> dict:
     else:
         status = "failed"
     detail = stderr.strip().splitlines()[-1] if stderr.strip() else ("" if done else "exited before check() ended")
-    return {"passed": status == "passed", "status": status, "returncode": rc, "detail": detail[-300:],
-            "exec_s": time.perf_counter() - t0}  # fmt: skip
+    return {
+        "passed": status == "passed",
+        "status": status,
+        "returncode": rc,
+        "detail": detail[-300:],
+        "exec_s": time.perf_counter() - t0,
+    }
 
 
 def score_completion(case: HumanEvalCase, completion: str, limits: SandboxLimits | None = None) -> dict:
     """What a record keeps of one completion: passed (as ``score`` 1/0), the sandbox's verdict, the code."""
     code, fenced = extract_code(completion, case.entry_point)
     res = run_program(program(case, code), limits)
-    return {"score": 1.0 if res["passed"] else 0.0, "passed": res["passed"], "status": res["status"],
-            "detail": res["detail"], "exec_s": res["exec_s"], "fenced": fenced, "completion": completion,
-            "task_id": case.task_id, "split": case.split}  # fmt: skip
+    return {
+        "score": 1.0 if res["passed"] else 0.0,
+        "passed": res["passed"],
+        "status": res["status"],
+        "detail": res["detail"],
+        "exec_s": res["exec_s"],
+        "fenced": fenced,
+        "completion": completion,
+        "task_id": case.task_id,
+        "split": case.split,
+    }

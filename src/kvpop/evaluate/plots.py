@@ -16,8 +16,13 @@ import numpy as np
 
 from ..plotting import pyplot, save_figure
 
-PRIMARY = {"lm": "retention", "continuation": "retention", "needle": "accuracy", "multikey": "accuracy",
-           "agreement": "match_rate"}  # fmt: skip
+PRIMARY = {
+    "lm": "retention",
+    "continuation": "retention",
+    "needle": "accuracy",
+    "multikey": "accuracy",
+    "agreement": "match_rate",
+}
 LABEL = {
     "retention": "retention (ppl_dense / ppl_policy)",
     "accuracy": "accuracy",
@@ -62,17 +67,37 @@ def _doc_plot(task, recs, out, colors, order):
     for j, dom in enumerate(domains):
         rs = [r for r in recs if r["domain"] == dom]
         n = rs[0]["n_items"]
-        _curve(axes[0][j], rs, lambda r: (r["metrics"].get("retention"), (r.get("ci") or {}).get("retention")),
-               colors, order)  # fmt: skip
+        _curve(
+            axes[0][j],
+            rs,
+            lambda r: (r["metrics"].get("retention"), (r.get("ci") or {}).get("retention")),
+            colors,
+            order,
+        )
         axes[0][j].set_title(f"{task}: all tokens — {dom} ({n} docs)")
-        _curve(axes[1][j], rs, lambda r: ((r.get("longdep") or {}).get("retention"),
-                                          ((r.get("longdep") or {}).get("ci") or {}).get("retention")), colors, order)
+        _curve(
+            axes[1][j],
+            rs,
+            lambda r: (
+                (r.get("longdep") or {}).get("retention"),
+                ((r.get("longdep") or {}).get("ci") or {}).get("retention"),
+            ),
+            colors,
+            order,
+        )
         axes[1][j].set_title(f"{task}: long-dependency tokens — {dom}")
         thr = next(((r.get("longdep") or {}).get("threshold") for r in rs if r.get("longdep")), None)
         if thr is not None:
-            axes[1][j].text(0.01, 0.01, f"tokens where sinks + the last B - sinks tokens lose > {thr:g} nats vs dense;\n"
-                            f"streaming sees exactly that context, so its retention is below ~e^-{thr:g} by construction",
-                            transform=axes[1][j].transAxes, fontsize=7, va="bottom", alpha=0.8)  # fmt: skip
+            axes[1][j].text(
+                0.01,
+                0.01,
+                f"tokens where sinks + the last B - sinks tokens lose > {thr:g} nats vs dense;\n"
+                f"streaming sees exactly that context, so its retention is below ~e^-{thr:g} by construction",
+                transform=axes[1][j].transAxes,
+                fontsize=7,
+                va="bottom",
+                alpha=0.8,
+            )
         for i in range(2):
             axes[i][j].set_ylabel(LABEL["retention"])
     axes[0][0].legend(fontsize=8)
@@ -134,8 +159,9 @@ def _needle_heatmap(recs, out, order):
     if not lengths or not depths:
         return None
     rows = [None] if not budgets else budgets
-    fig, axes = plt.subplots(len(rows), len(policies), figsize=(1.6 * len(policies) + 1, 1.5 * len(rows) + 1),
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        len(rows), len(policies), figsize=(1.6 * len(policies) + 1, 1.5 * len(rows) + 1), squeeze=False
+    )
     comps = {r["budget"]: r["compression"] for r in recs}
     for i, b in enumerate(rows):
         for j, p in enumerate(policies):

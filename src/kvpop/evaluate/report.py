@@ -11,8 +11,13 @@ LABEL = {
     "multikey": "Multi-key recall",
     "agreement": "Greedy agreement with dense",
 }
-PRIMARY = {"lm": "retention", "continuation": "retention", "needle": "accuracy", "multikey": "accuracy",
-           "agreement": "match_rate"}  # fmt: skip
+PRIMARY = {
+    "lm": "retention",
+    "continuation": "retention",
+    "needle": "accuracy",
+    "multikey": "accuracy",
+    "agreement": "match_rate",
+}
 TASK_ORDER = ("lm", "continuation", "needle", "multikey", "agreement")
 
 
@@ -36,8 +41,12 @@ def _comp(r) -> str:
 
 
 def text_table(results: dict) -> str:
-    rows = [(f"{'task':12} {'domain':13} {'policy':10} {'B':>5} {'wdw':>5} {'primary':>8} {'95% CI':>17} "
-            f"{'longdep':>8} {'95% CI':>17} {'n_ld':>6} {'kl':>7} {'W-L vs stream':>14} {'wall_s':>8}")]  # fmt: skip
+    rows = [
+        (
+            f"{'task':12} {'domain':13} {'policy':10} {'B':>5} {'wdw':>5} {'primary':>8} {'95% CI':>17} "
+            f"{'longdep':>8} {'95% CI':>17} {'n_ld':>6} {'kl':>7} {'W-L vs stream':>14} {'wall_s':>8}"
+        )
+    ]
     for r in results["records"]:
         m, ld = r["metrics"], r.get("longdep") or {}
         ci = (r.get("ci") or {}).get(PRIMARY[r["task"]])
@@ -67,8 +76,10 @@ def _domains(rows: list[dict]):
     """``(budgets, compression per budget, [(domain, its rows, {(policy, budget): row}, policies)])``."""
     budgets = sorted({r["budget"] for r in rows if r["budget"] is not None}, reverse=True)
     comps = {r["budget"]: r["compression"] for r in rows}
-    per = [(domain, recs, {(r["policy"], r["budget"]): r for r in recs}, list(dict.fromkeys(r["policy"] for r in recs)))
-           for (domain,), recs in sorted(_by(rows, "domain").items())]  # fmt: skip
+    per = [
+        (domain, recs, {(r["policy"], r["budget"]): r for r in recs}, list(dict.fromkeys(r["policy"] for r in recs)))
+        for (domain,), recs in sorted(_by(rows, "domain").items())
+    ]
     return budgets, comps, per
 
 
@@ -80,9 +91,15 @@ def _doc_tables(task: str, rows: list[dict]) -> list[str]:
         for b in budgets:
             c = f"{comps[b]:.4g}"
             head += [f"{c}: all tokens", f"{c}: long-dep tokens", f"{c}: W-L vs streaming (all / long-dep)"]
-        lines += [(f"**{LABEL[task]} — {domain}** ({recs[0]['n_items']} documents; retention = ppl_dense / "
-                  "ppl_policy, [95% bootstrap CI over documents])"), "",
-                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+        lines += [
+            (
+                f"**{LABEL[task]} — {domain}** ({recs[0]['n_items']} documents; retention = ppl_dense / "
+                "ppl_policy, [95% bootstrap CI over documents])"
+            ),
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+        ]
         for p in policies:
             row = [p]
             for b in budgets:
@@ -97,12 +114,18 @@ def _doc_tables(task: str, rows: list[dict]) -> list[str]:
                 row.append(f"{_wl(vs)} / {_wl(vs, 'longdep')}" if vs else "-")
             lines.append("| " + " | ".join(row) + " |")
         dense = [cell.get((DENSE_NAME, b)) for b in budgets]
-        counts = [f"B={b}: {d['longdep']['n_tokens']} of {d['metrics']['n_tokens']} scored tokens"
-                  for b, d in zip(budgets, dense) if d and d.get("longdep")]  # fmt: skip
+        counts = [
+            f"B={b}: {d['longdep']['n_tokens']} of {d['metrics']['n_tokens']} scored tokens"
+            for b, d in zip(budgets, dense)
+            if d and d.get("longdep")
+        ]
         if counts:
             thr = next((d["longdep"].get("threshold") for d in dense if d and d.get("longdep")), None)
-            lines += ["", f"Long-dependency tokens (dense NLL with full context lower by > {thr} nats than with "
-                          f"sinks + the last B - sinks tokens): " + "; ".join(counts) + "."]  # fmt: skip
+            lines += [
+                "",
+                f"Long-dependency tokens (dense NLL with full context lower by > {thr} nats than with "
+                f"sinks + the last B - sinks tokens): " + "; ".join(counts) + ".",
+            ]
         lines.append("")
     return lines
 
@@ -116,9 +139,15 @@ def _choice_tables(task: str, rows: list[dict]) -> list[str]:
     for domain, recs, cell, policies in per:
         lengths = sorted({int(L) for r in recs for L in r.get("by_length", {})})
         head = ["policy"] + [f"{comps[b]:.4g} (B={b})" for b in budgets]
-        lines += [(f"**{LABEL[task]} — {domain}** (accuracy over {recs[0]['n_items']} cases [95% bootstrap CI]; "
-                  f"by length {'/'.join(map(str, lengths))}; W-L vs streaming per case)"), "",
-                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+        lines += [
+            (
+                f"**{LABEL[task]} — {domain}** (accuracy over {recs[0]['n_items']} cases [95% bootstrap CI]; "
+                f"by length {'/'.join(map(str, lengths))}; W-L vs streaming per case)"
+            ),
+            "",
+            "| " + " | ".join(head) + " |",
+            "|" + "---|" * len(head),
+        ]
         for p in policies:
             row = [p]
             for b in budgets:
@@ -128,8 +157,10 @@ def _choice_tables(task: str, rows: list[dict]) -> list[str]:
                     continue
                 bl = "/".join(_f(r["by_length"].get(str(L), {}).get("accuracy"), ".2f") for L in lengths)
                 vs = r.get("vs_streaming")
-                row.append(f"{_f(r['metrics']['accuracy'], '.2f')} {_ci((r.get('ci') or {}).get('accuracy'))} "
-                           f"({bl}){'; ' + _wl(vs) if vs else ''}")  # fmt: skip
+                row.append(
+                    f"{_f(r['metrics']['accuracy'], '.2f')} {_ci((r.get('ci') or {}).get('accuracy'))} "
+                    f"({bl}){'; ' + _wl(vs) if vs else ''}"
+                )
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
     return lines
@@ -138,13 +169,19 @@ def _choice_tables(task: str, rows: list[dict]) -> list[str]:
 def _agreement_tables(rows: list[dict]) -> list[str]:
     lines = []
     for (domain,), recs in sorted(_by(rows, "domain").items()):
-        lines += [f"**{LABEL['agreement']} — {domain}**", "", "| policy | compression | match rate | prefix match | W-L |",
-                  "|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"**{LABEL['agreement']} — {domain}**",
+            "",
+            "| policy | compression | match rate | prefix match | W-L |",
+            "|---|---|---|---|---|",
+        ]
         for r in recs:
             m = r["metrics"]
-            lines.append(f"| {r['policy']} | {_comp(r)} | {_f(m.get('match_rate'))} "
-                         f"{_ci((r.get('ci') or {}).get('match_rate'))} | {_f(m.get('prefix_match'))} | "
-                         f"{_wl(r.get('vs_streaming'))} |")  # fmt: skip
+            lines.append(
+                f"| {r['policy']} | {_comp(r)} | {_f(m.get('match_rate'))} "
+                f"{_ci((r.get('ci') or {}).get('match_rate'))} | {_f(m.get('prefix_match'))} | "
+                f"{_wl(r.get('vs_streaming'))} |"
+            )
         lines.append("")
     return lines
 
@@ -152,10 +189,12 @@ def _agreement_tables(rows: list[dict]) -> list[str]:
 def markdown_report(results: dict) -> str:
     lines = [f"# kvpop eval: {results.get('model')}", ""]
     sessions = results.get("sessions", [])
-    lines.append(f"{len(results.get('units', []))} units; {len(sessions)} process run(s), "
-                 f"{results.get('wall_s', 0.0) / 3600:.2f} h of process wall time in all "
-                 f"({results.get('unit_wall_s', 0.0) / 3600:.2f} h in the units and the dense / window-only / oracle runs "
-                 "they share).")  # fmt: skip
+    lines.append(
+        f"{len(results.get('units', []))} units; {len(sessions)} process run(s), "
+        f"{results.get('wall_s', 0.0) / 3600:.2f} h of process wall time in all "
+        f"({results.get('unit_wall_s', 0.0) / 3600:.2f} h in the units and the dense / window-only / oracle runs "
+        "they share)."
+    )
     lines.append("")
     recs = results["records"]
     for task in TASK_ORDER:

@@ -39,17 +39,89 @@ FIT_SLACK = 8  # a prompt is at most this many tokens short of length - max_new_
 DEPTHS = tuple(i / 39 for i in range(40))  # RULER draws needle depths from 40 evenly spaced ones in [0, 1]
 
 _ADJECTIVES = (
-    "ancient", "bitter", "brave", "calm", "clever", "cold", "crisp", "curious", "damp", "eager", "faint", "fancy",
-    "fierce", "gentle", "giant", "glossy", "golden", "grumpy", "hollow", "humble", "icy", "jolly", "lazy", "loud",
-    "lucky", "mellow", "misty", "noble", "odd", "plain", "proud", "quiet", "rapid", "rusty", "shiny", "silent",
-    "sleepy", "smooth", "tiny", "wild",
-)  # fmt: skip
+    "ancient",
+    "bitter",
+    "brave",
+    "calm",
+    "clever",
+    "cold",
+    "crisp",
+    "curious",
+    "damp",
+    "eager",
+    "faint",
+    "fancy",
+    "fierce",
+    "gentle",
+    "giant",
+    "glossy",
+    "golden",
+    "grumpy",
+    "hollow",
+    "humble",
+    "icy",
+    "jolly",
+    "lazy",
+    "loud",
+    "lucky",
+    "mellow",
+    "misty",
+    "noble",
+    "odd",
+    "plain",
+    "proud",
+    "quiet",
+    "rapid",
+    "rusty",
+    "shiny",
+    "silent",
+    "sleepy",
+    "smooth",
+    "tiny",
+    "wild",
+)
 _NOUNS = (
-    "anchor", "badger", "basket", "beacon", "bicycle", "blanket", "canyon", "castle", "cedar", "comet", "cottage",
-    "crayon", "dolphin", "engine", "falcon", "feather", "garden", "glacier", "harbor", "helmet", "island", "jacket",
-    "kettle", "lantern", "meadow", "mirror", "needle", "orchard", "pebble", "pillow", "puzzle", "quarry", "ribbon",
-    "saddle", "tractor", "tunnel", "violin", "wagon", "walnut", "window",
-)  # fmt: skip
+    "anchor",
+    "badger",
+    "basket",
+    "beacon",
+    "bicycle",
+    "blanket",
+    "canyon",
+    "castle",
+    "cedar",
+    "comet",
+    "cottage",
+    "crayon",
+    "dolphin",
+    "engine",
+    "falcon",
+    "feather",
+    "garden",
+    "glacier",
+    "harbor",
+    "helmet",
+    "island",
+    "jacket",
+    "kettle",
+    "lantern",
+    "meadow",
+    "mirror",
+    "needle",
+    "orchard",
+    "pebble",
+    "pillow",
+    "puzzle",
+    "quarry",
+    "ribbon",
+    "saddle",
+    "tractor",
+    "tunnel",
+    "violin",
+    "wagon",
+    "walnut",
+    "window",
+)
 
 
 @dataclass(frozen=True)
@@ -151,14 +223,22 @@ def _plural_template(spec: TaskSpec, key: str) -> tuple[str, str, str]:
     vt = spec.value_type
     if spec.values == 1:
         one = vt[:-1]
-        return ((f"A special magic {one} is hidden within the following text. Make sure to memorize it. "
-                 f"I will quiz you about the {one} afterwards."),
-                f"What is the special magic {one} for {key} mentioned in the provided text?",
-                f"The special magic {one} for {key} mentioned in the provided text is")  # fmt: skip
-    return ((f"Some special magic {vt} are hidden within the following text. Make sure to memorize it. "
-             f"I will quiz you about the {vt} afterwards."),
-            f"What are all the special magic {vt} for {key} mentioned in the provided text?",
-            f"The special magic {vt} for {key} mentioned in the provided text are")  # fmt: skip
+        return (
+            (
+                f"A special magic {one} is hidden within the following text. Make sure to memorize it. "
+                f"I will quiz you about the {one} afterwards."
+            ),
+            f"What is the special magic {one} for {key} mentioned in the provided text?",
+            f"The special magic {one} for {key} mentioned in the provided text is",
+        )
+    return (
+        (
+            f"Some special magic {vt} are hidden within the following text. Make sure to memorize it. "
+            f"I will quiz you about the {vt} afterwards."
+        ),
+        f"What are all the special magic {vt} for {key} mentioned in the provided text?",
+        f"The special magic {vt} for {key} mentioned in the provided text are",
+    )
 
 
 def _vt_chain(rng: random.Random, hops: int) -> tuple[list[str], str, list[str]]:
@@ -172,8 +252,10 @@ def _vt_chain(rng: random.Random, hops: int) -> tuple[list[str], str, list[str]]
 def _vt_texts(names: list[str], value: str) -> tuple[str, str, str]:
     header = "Memorize and track the chain(s) of variable assignment hidden in the following text."
     question = f"Question: Find all variables that are assigned the value {value} in the text above."
-    prefix = (f"Answer: According to the chain(s) of variable assignment in the text above, {len(names)} variables "
-              f"are assigned the value {value}, they are:")  # fmt: skip
+    prefix = (
+        f"Answer: According to the chain(s) of variable assignment in the text above, {len(names)} variables "
+        f"are assigned the value {value}, they are:"
+    )
     return header, question, prefix
 
 
@@ -202,8 +284,9 @@ def filler_sentences(text: str) -> list[str]:
     return _sentences(re.sub(r"\s+", " ", text))
 
 
-def make_case(tokenizer, task: str, index: int, filler: list[str], length: int, seed: int = 0,
-              max_new_tokens: int | None = None) -> RulerCase:  # fmt: skip
+def make_case(
+    tokenizer, task: str, index: int, filler: list[str], length: int, seed: int = 0, max_new_tokens: int | None = None
+) -> RulerCase:
     """Case ``index`` of ``task`` at ``length`` tokens (prompt + ``max_new_tokens``).
 
     ``filler``: the essays' sentences (:func:`filler_sentences`; variable tracking uses RULER's noise
@@ -253,8 +336,9 @@ def make_case(tokenizer, task: str, index: int, filler: list[str], length: int, 
 
     overhead = len(build(0)[0])
     if overhead >= target:
-        raise ValueError(f"{task}: length {length} leaves no room for filler (template {overhead} tokens + "
-                         f"{n_new} new tokens)")  # fmt: skip
+        raise ValueError(
+            f"{task}: length {length} leaves no room for filler (template {overhead} tokens + {n_new} new tokens)"
+        )
     per_word = len(tokenizer(" ".join(words[:200]), add_special_tokens=False)["input_ids"]) / max(1, len(words[:200]))
     n_words = min(len(words), int((target - overhead) / per_word))
     best = None
@@ -274,8 +358,16 @@ def make_case(tokenizer, task: str, index: int, filler: list[str], length: int, 
     return RulerCase(task, index, ids, list(expected), query, length, n_new, depths, order, content, prefix)
 
 
-def make_cases(tokenizer, task: str, filler_text: str, n_cases: int, length: int = 4096, seed: int = 0,
-               max_new_tokens: int | None = None, start: int = 0) -> list[RulerCase]:  # fmt: skip
+def make_cases(
+    tokenizer,
+    task: str,
+    filler_text: str,
+    n_cases: int,
+    length: int = 4096,
+    seed: int = 0,
+    max_new_tokens: int | None = None,
+    start: int = 0,
+) -> list[RulerCase]:
     """Cases ``start .. start + n_cases - 1`` of ``task`` at ``length`` tokens."""
     filler = filler_sentences(filler_text) if task != "vt" else []
     return [make_case(tokenizer, task, i, filler, length, seed, max_new_tokens) for i in range(start, start + n_cases)]
@@ -283,5 +375,10 @@ def make_cases(tokenizer, task: str, filler_text: str, n_cases: int, length: int
 
 def score_answer(case: RulerCase, answer: str) -> dict:
     """What a record keeps of one answer: the score, the answer and what was expected."""
-    return {"score": string_match_all(answer, case.expected), "answer": answer.strip(), "expected": case.expected,
-            "query": case.query, "depths": [round(d, 4) for d in case.depths]}  # fmt: skip
+    return {
+        "score": string_match_all(answer, case.expected),
+        "answer": answer.strip(),
+        "expected": case.expected,
+        "query": case.query,
+        "depths": [round(d, 4) for d in case.depths],
+    }

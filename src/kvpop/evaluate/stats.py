@@ -126,13 +126,23 @@ def _doc_rows(units: list[dict], n_boot: int) -> list[dict]:
                 for u in cr:
                     tot = tot.add(sums_from_dict(u["sums"].get(all_key)))
                     ld = ld.add(sums_from_dict(u["sums"].get(ld_key)))
-                per_corpus[corpus] = {"n_docs": len(cr), "retention": tot.metrics()["retention"],
-                                      "kl": tot.metrics()["kl"], "longdep_retention": ld.metrics()["retention"],
-                                      "longdep_tokens": ld.n}  # fmt: skip
+                per_corpus[corpus] = {
+                    "n_docs": len(cr),
+                    "retention": tot.metrics()["retention"],
+                    "kl": tot.metrics()["kl"],
+                    "longdep_retention": ld.metrics()["retention"],
+                    "longdep_tokens": ld.n,
+                }
             row["per_corpus"] = per_corpus
-            row["per_item"] = [{"item": u["item_id"], "retention": sums_from_dict(u["sums"].get(all_key)).metrics()["retention"],
-                                "longdep_retention": sums_from_dict(u["sums"].get(ld_key)).metrics()["retention"],
-                                "longdep_tokens": sums_from_dict(u["sums"].get(ld_key)).n} for u in recs]  # fmt: skip
+            row["per_item"] = [
+                {
+                    "item": u["item_id"],
+                    "retention": sums_from_dict(u["sums"].get(all_key)).metrics()["retention"],
+                    "longdep_retention": sums_from_dict(u["sums"].get(ld_key)).metrics()["retention"],
+                    "longdep_tokens": sums_from_dict(u["sums"].get(ld_key)).n,
+                }
+                for u in recs
+            ]
             rows.append(row)
     return rows
 
@@ -147,8 +157,15 @@ def _groups(units: list[dict]) -> dict[tuple, list[dict]]:
 
 def _head(task: str, domain: str, policy: str, recs: list[dict]) -> dict:
     """What every row starts with: its task, domain, policy, layout, items, corpora and wall time."""
-    return {"task": task, "domain": domain, "policy": policy, **_layout(recs), "n_items": len(recs),
-            "corpora": sorted({u["source"] for u in recs}), "wall_s": sum(u.get("wall_s") or 0.0 for u in recs)}  # fmt: skip
+    return {
+        "task": task,
+        "domain": domain,
+        "policy": policy,
+        **_layout(recs),
+        "n_items": len(recs),
+        "corpora": sorted({u["source"] for u in recs}),
+        "wall_s": sum(u.get("wall_s") or 0.0 for u in recs),
+    }
 
 
 def _vs_streaming(groups: dict, key: tuple, recs: list[dict], value) -> dict | None:
@@ -159,8 +176,7 @@ def _vs_streaming(groups: dict, key: tuple, recs: list[dict], value) -> dict | N
     ref = {u["item_id"]: u for u in groups.get((domain, REFERENCE, budget), [])}
     if not ref:
         return None
-    return {"all": tally([compare(value(u), value(ref[u["item_id"]])) if u["item_id"] in ref else None
-                          for u in recs])}  # fmt: skip
+    return {"all": tally([compare(value(u), value(ref[u["item_id"]])) if u["item_id"] in ref else None for u in recs])}
 
 
 def _choice_rows(task: str, units: list[dict], n_boot: int) -> list[dict]:
@@ -169,17 +185,36 @@ def _choice_rows(task: str, units: list[dict], n_boot: int) -> list[dict]:
     rows = []
     for key, recs in groups.items():
         correct = [1.0 if u["correct"] else 0.0 for u in recs]
-        row = {**_head(task, *key[:2], recs), "metrics": {"accuracy": sum(correct) / len(correct),
-                                                          "n_cases": len(correct)},
-               "ci": {"accuracy": bootstrap_mean(correct, n_boot)}}  # fmt: skip
+        row = {
+            **_head(task, *key[:2], recs),
+            "metrics": {"accuracy": sum(correct) / len(correct), "n_cases": len(correct)},
+            "ci": {"accuracy": bootstrap_mean(correct, n_boot)},
+        }
         by_len: dict[int, list[float]] = defaultdict(list)
         for u, c in zip(recs, correct):
             by_len[u["length"]].append(c)
         row["by_length"] = {str(L): {"accuracy": sum(v) / len(v), "n": len(v)} for L, v in sorted(by_len.items())}
         if task == "multikey":
             row["metrics"]["other_key_rate"] = sum(bool(u.get("other_key")) for u in recs) / len(recs)
-        row["cases"] = [{k: u.get(k) for k in ("item_id", "length", "depth", "case", "tokens", "correct", "answer",
-                                                "expected", "passkey", "asked_depth") if k in u} for u in recs]  # fmt: skip
+        row["cases"] = [
+            {
+                k: u.get(k)
+                for k in (
+                    "item_id",
+                    "length",
+                    "depth",
+                    "case",
+                    "tokens",
+                    "correct",
+                    "answer",
+                    "expected",
+                    "passkey",
+                    "asked_depth",
+                )
+                if k in u
+            }
+            for u in recs
+        ]
         vs = _vs_streaming(groups, key, recs, lambda u: float(u["correct"]))
         if vs is not None:
             row["vs_streaming"] = vs
@@ -193,11 +228,15 @@ def _agreement_rows(units: list[dict], n_boot: int) -> list[dict]:
     for key, recs in groups.items():
         n = sum(u["n_tokens"] for u in recs)
         rates = [u["match_rate"] for u in recs if u["match_rate"] is not None]
-        row = {**_head("agreement", *key[:2], recs),
-               "metrics": {"n_tokens": n,
-                           "match_rate": sum(u["match_rate"] * u["n_tokens"] for u in recs) / n if n else None,
-                           "prefix_match": sum(u["prefix_match"] for u in recs) / len(recs)},
-               "ci": {"match_rate": bootstrap_mean(rates, n_boot)}}  # fmt: skip
+        row = {
+            **_head("agreement", *key[:2], recs),
+            "metrics": {
+                "n_tokens": n,
+                "match_rate": sum(u["match_rate"] * u["n_tokens"] for u in recs) / n if n else None,
+                "prefix_match": sum(u["prefix_match"] for u in recs) / len(recs),
+            },
+            "ci": {"match_rate": bootstrap_mean(rates, n_boot)},
+        }
         vs = _vs_streaming(groups, key, recs, lambda u: u["match_rate"])
         if vs is not None:
             row["vs_streaming"] = vs
@@ -209,8 +248,13 @@ def _order(policies: list[str]):
     def key(row):
         p = row["policy"]
         t = TASK_ORDER.index(row["task"]) if row["task"] in TASK_ORDER else len(TASK_ORDER)
-        return (t, row["domain"], policies.index(p) if p in policies else len(policies), p,
-                row["budget"] if row["budget"] is not None else -1)  # fmt: skip
+        return (
+            t,
+            row["domain"],
+            policies.index(p) if p in policies else len(policies),
+            p,
+            row["budget"] if row["budget"] is not None else -1,
+        )
 
     return key
 

@@ -92,8 +92,7 @@ def read_run_file(path: str | Path, hint: str) -> dict:
         why = str(exc)
     if why is not None:
         what = "empty" if not path.read_bytes().strip() else f"not a kvpop eval run file ({why})"
-        raise StoreUnreadable(f"{path} is {what}: it records what the results in {path.parent} were made with; "
-                              f"{hint}")  # fmt: skip
+        raise StoreUnreadable(f"{path} is {what}: it records what the results in {path.parent} were made with; {hint}")
     return data.get("fingerprint", {})
 
 
@@ -140,12 +139,15 @@ def _explain(here: dict, there: dict) -> str:
     a, b = _known(here, there), _known(there, here)
     changed = []
     if a.get(WEIGHTS_KEY) != b.get(WEIGHTS_KEY):
-        changed.append(f"the weights of model {here.get('model')!r}: hash {a.pop(WEIGHTS_KEY)} here vs "
-                       f"{b.pop(WEIGHTS_KEY)} there")  # fmt: skip
+        changed.append(
+            f"the weights of model {here.get('model')!r}: hash {a.pop(WEIGHTS_KEY)} here vs {b.pop(WEIGHTS_KEY)} there"
+        )
     ad, bd = a.get(ADAPTER_KEY), b.get(ADAPTER_KEY)
     if isinstance(ad, dict) and isinstance(bd, dict) and ad.get("path") == bd.get("path") and ad != bd:
-        changed.append(f"the files of adapter bundle {ad.get('path')}: hash {ad.get(FILE_HASH_KEY)} here vs "
-                       f"{bd.get(FILE_HASH_KEY)} there")  # fmt: skip
+        changed.append(
+            f"the files of adapter bundle {ad.get('path')}: hash {ad.get(FILE_HASH_KEY)} here vs "
+            f"{bd.get(FILE_HASH_KEY)} there"
+        )
         a.pop(ADAPTER_KEY), b.pop(ADAPTER_KEY)
     ka, kb = dict(a.get("policy_kwargs") or {}), dict(b.get("policy_kwargs") or {})
     for p in sorted(set(ka) & set(kb)):
@@ -154,8 +156,10 @@ def _explain(here: dict, there: dict) -> str:
             continue
         ra, rb = ({x: y for x, y in v.items() if x != FILE_HASH_KEY} for v in (va, vb))
         if ra == rb:
-            changed.append(f"the scorer file {va.get('path') or 'shipped with kvpop'} of policy {p}: sha256 "
-                           f"{str(va[FILE_HASH_KEY])[:16]} here vs {str(vb[FILE_HASH_KEY])[:16]} there")  # fmt: skip
+            changed.append(
+                f"the scorer file {va.get('path') or 'shipped with kvpop'} of policy {p}: sha256 "
+                f"{str(va[FILE_HASH_KEY])[:16]} here vs {str(vb[FILE_HASH_KEY])[:16]} there"
+            )
             ka[p], kb[p] = ra, rb
     a["policy_kwargs"], b["policy_kwargs"] = ka, kb
     parts = [f"other files at the same paths ({'; '.join(changed)})"] if changed else []
@@ -174,8 +178,9 @@ def check_fingerprint(out: str | Path, fingerprint: dict) -> dict | None:
         return None
     old = read_run_file(run, _run_hint(out))
     if not same_fingerprint(fingerprint, old):
-        raise StoreMismatch(f"{out} holds results {_explain(fingerprint, old)}; use another --out folder "
-                            "(or delete it to start over)")  # fmt: skip
+        raise StoreMismatch(
+            f"{out} holds results {_explain(fingerprint, old)}; use another --out folder (or delete it to start over)"
+        )
     return old
 
 

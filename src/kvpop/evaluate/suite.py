@@ -40,17 +40,33 @@ from pathlib import Path
 
 from .ruler import RULER_TASKS, SPECS
 
-__all__ = ["DEFAULT_POLICIES", "DEFAULT_TASKS", "TASKS", "SuiteConfig", "build_cases", "generate_batch", "main",
-           "markdown", "report", "run_suite", "summarize"]  # fmt: skip
+__all__ = [
+    "DEFAULT_POLICIES",
+    "DEFAULT_TASKS",
+    "TASKS",
+    "SuiteConfig",
+    "build_cases",
+    "generate_batch",
+    "main",
+    "markdown",
+    "report",
+    "run_suite",
+    "summarize",
+]
 
 SCHEMA = "kvpop-tasks/1"
 TASKS = ("humaneval", *RULER_TASKS)
 DEFAULT_TASKS = ("humaneval", "niah_single", "niah_multikey", "niah_multivalue", "vt")
 DEFAULT_POLICIES = ("dense", "streaming", "tova", "h2o", "snapkv", "kvpop-mlp", "kvpop", "oracle")
 DENSE, ORACLE, REFERENCE = "dense", "oracle", "streaming"
-LABEL = {"humaneval": "HumanEval pass@1", "niah_single": "NIAH single (number)", "niah_single_uuid":
-         "NIAH single (UUID)", "niah_multikey": "NIAH multi-key", "niah_multivalue": "NIAH multi-value",
-         "vt": "Variable tracking"}  # fmt: skip
+LABEL = {
+    "humaneval": "HumanEval pass@1",
+    "niah_single": "NIAH single (number)",
+    "niah_single_uuid": "NIAH single (UUID)",
+    "niah_multikey": "NIAH multi-key",
+    "niah_multivalue": "NIAH multi-value",
+    "vt": "Variable tracking",
+}
 
 
 @dataclass
@@ -111,10 +127,17 @@ class SuiteConfig:
         from .ruler import TEMPLATE_VERSION
 
         if task == "humaneval":
-            return {"max_new_tokens": self.max_new_tokens(task), "prompt_version": PROMPT_VERSION,
-                    "timeout_s": self.timeout_s}  # fmt: skip
-        return {"context_length": self.context_length, "max_new_tokens": self.max_new_tokens(task),
-                "seed": self.seed, "template_version": TEMPLATE_VERSION}  # fmt: skip
+            return {
+                "max_new_tokens": self.max_new_tokens(task),
+                "prompt_version": PROMPT_VERSION,
+                "timeout_s": self.timeout_s,
+            }
+        return {
+            "context_length": self.context_length,
+            "max_new_tokens": self.max_new_tokens(task),
+            "seed": self.seed,
+            "template_version": TEMPLATE_VERSION,
+        }
 
 
 @dataclass
@@ -133,8 +156,13 @@ class Case:
 # ------------------------------------------------------------------------------ cases
 
 
-def build_cases(tokenizer, cfg: SuiteConfig, filler: str | None = None, problems: list[dict] | None = None,
-                notes: list[str] | None = None) -> dict[str, list[Case]]:  # fmt: skip
+def build_cases(
+    tokenizer,
+    cfg: SuiteConfig,
+    filler: str | None = None,
+    problems: list[dict] | None = None,
+    notes: list[str] | None = None,
+) -> dict[str, list[Case]]:
     """``{task: [Case]}``; ``filler`` (essay text) and ``problems`` (HumanEval rows) replace the defaults."""
     import torch
 
@@ -152,8 +180,9 @@ def build_cases(tokenizer, cfg: SuiteConfig, filler: str | None = None, problems
                 from .harness import default_filler
 
                 filler = default_filler(cfg)
-            raw = ruler.make_cases(tokenizer, task, filler or "", cfg.n_cases(task), cfg.context_length, cfg.seed,
-                                   cfg.max_new_tokens(task))  # fmt: skip
+            raw = ruler.make_cases(
+                tokenizer, task, filler or "", cfg.n_cases(task), cfg.context_length, cfg.seed, cfg.max_new_tokens(task)
+            )
         cases = []
         for i, c in enumerate(raw):
             ids = torch.tensor(c.ids, dtype=torch.long)
@@ -228,14 +257,19 @@ def check_records(records: dict[str, dict], cases: dict[str, list[Case]], cfg: S
             continue
         want = cfg.task_settings(case.task)
         if rec.get("task_settings") != want:
-            diff = "; ".join(f"{k}: {want.get(k)!r} now vs {(rec.get('task_settings') or {}).get(k)!r} there"
-                             for k in sorted(set(want) | set(rec.get("task_settings") or {}))
-                             if want.get(k) != (rec.get("task_settings") or {}).get(k))  # fmt: skip
-            raise StoreMismatch(f"{where} holds {case.task} records made with other settings ({diff}); "
-                                "use another --out folder")  # fmt: skip
+            diff = "; ".join(
+                f"{k}: {want.get(k)!r} now vs {(rec.get('task_settings') or {}).get(k)!r} there"
+                for k in sorted(set(want) | set(rec.get("task_settings") or {}))
+                if want.get(k) != (rec.get("task_settings") or {}).get(k)
+            )
+            raise StoreMismatch(
+                f"{where} holds {case.task} records made with other settings ({diff}); use another --out folder"
+            )
         if rec.get("prompt_sha1") != case.sha1:
-            raise StoreMismatch(f"{where}: {rec['key']} was made from other prompt tokens than {case.item_id} now "
-                                "(another tokenizer, filler or data); use another --out folder")  # fmt: skip
+            raise StoreMismatch(
+                f"{where}: {rec['key']} was made from other prompt tokens than {case.item_id} now "
+                "(another tokenizer, filler or data); use another --out folder"
+            )
 
 
 def check_policies(model, cfg: SuiteConfig, settings, budget: int) -> tuple[list[str], dict[str, str]]:
@@ -289,9 +323,17 @@ def generate_batch(model, tokenizer, prompts: list, max_new_tokens: int, cache=N
         ids[i, n - p.numel() :] = p
         mask[i, n - p.numel() :] = 1
     with torch.no_grad():
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                             **cache_kwargs(cache), max_new_tokens=max_new_tokens, do_sample=False, temperature=None,
-                             top_p=None, top_k=None, pad_token_id=pad)  # fmt: skip
+        out = model.generate(
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            **cache_kwargs(cache),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+        )
     stop = stop if stop is not None else eos_ids(model, tokenizer)
     rows = []
     for row in out[:, n:].cpu():
@@ -319,12 +361,25 @@ class _Runner:
         from .store import unit_key
 
         text = self.tokenizer.decode(new, skip_special_tokens=True)
-        rec = {"key": unit_key(case.item_id, policy, budget), "task": case.task, "case": case.index,
-               "item_id": case.item_id, "policy": policy, "budget": budget, "prompt_sha1": case.sha1,
-               "task_settings": self.cfg.task_settings(case.task), "prompt_tokens": case.ids.numel(),
-               "new_tokens": int(new.numel()), "seq_len": case.ids.numel() + int(new.numel()),
-               "hit_max_new_tokens": int(new.numel()) >= case.max_new_tokens and int(new[-1]) not in self.stop,
-               "batch": batch, "wall_s": wall_s, "sinks": None, "window": None, "k": None}  # fmt: skip
+        rec = {
+            "key": unit_key(case.item_id, policy, budget),
+            "task": case.task,
+            "case": case.index,
+            "item_id": case.item_id,
+            "policy": policy,
+            "budget": budget,
+            "prompt_sha1": case.sha1,
+            "task_settings": self.cfg.task_settings(case.task),
+            "prompt_tokens": case.ids.numel(),
+            "new_tokens": int(new.numel()),
+            "seq_len": case.ids.numel() + int(new.numel()),
+            "hit_max_new_tokens": int(new.numel()) >= case.max_new_tokens and int(new[-1]) not in self.stop,
+            "batch": batch,
+            "wall_s": wall_s,
+            "sinks": None,
+            "window": None,
+            "k": None,
+        }
         if cache is not None:
             e = cache.eviction
             rec.update(sinks=e.sinks, window=e.window, k=e.k)
@@ -345,14 +400,22 @@ class _Runner:
 
         if policy == DENSE:
             return None
-        return build_cache(self.model, self.s.policy(self.model, policy, budget), budget, sinks=self.s.sinks,
-                           window=self.s.window_for(budget), oracle=oracle, lam=self.s.lam)  # fmt: skip
+        return build_cache(
+            self.model,
+            self.s.policy(self.model, policy, budget),
+            budget,
+            sinks=self.s.sinks,
+            window=self.s.window_for(budget),
+            oracle=oracle,
+            lam=self.s.lam,
+        )
 
     def run_batch(self, cases: list[Case], policy: str, budget: int | None, oracle=None, max_new: int | None = None):
         t0 = time.perf_counter()
         cache = self._cache(policy, budget, oracle)
-        news = generate_batch(self.model, self.tokenizer, [c.ids for c in cases], max_new or cases[0].max_new_tokens,
-                              cache, self.stop)  # fmt: skip
+        news = generate_batch(
+            self.model, self.tokenizer, [c.ids for c in cases], max_new or cases[0].max_new_tokens, cache, self.stop
+        )
         wall = (time.perf_counter() - t0) / len(cases)
         for c, new in zip(cases, news):
             self.store.append(self.record(c, policy, budget, new, wall, len(cases), cache))
@@ -369,8 +432,7 @@ class _Runner:
 
         dense = self.store.done(unit_key(case.item_id, DENSE, None))
         seq = torch.cat([case.ids, torch.tensor(dense["new_ids"], dtype=torch.long)])
-        windows = sorted({resolve_eviction(b, sinks=self.s.sinks, window=self.s.window_for(b)).window
-                          for b in budgets})  # fmt: skip
+        windows = sorted({resolve_eviction(b, sinks=self.s.sinks, window=self.s.window_for(b)).window for b in budgets})
         return oracle_targets_multi(self.model, seq, windows), len(dense["new_ids"])
 
 
@@ -380,10 +442,20 @@ def _batches(cases: list[Case], size: int) -> list[list[Case]]:
     return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
 
-def run_suite(model, tokenizer, cfg: SuiteConfig | None = None, *, out: str | Path | None = None,
-              shard: tuple[int, int] | str | None = None, progress: bool = True, plots: bool = True,
-              filler: str | None = None, problems: list[dict] | None = None, time_limit_s: float | None = None,
-              notes: list[str] | None = None) -> dict:  # fmt: skip
+def run_suite(
+    model,
+    tokenizer,
+    cfg: SuiteConfig | None = None,
+    *,
+    out: str | Path | None = None,
+    shard: tuple[int, int] | str | None = None,
+    progress: bool = True,
+    plots: bool = True,
+    filler: str | None = None,
+    problems: list[dict] | None = None,
+    time_limit_s: float | None = None,
+    notes: list[str] | None = None,
+) -> dict:
     """Run (this shard of) the suite; returns the summary (also ``out/results.json``, ``table.md``, ``tasks.png``).
 
     Raises :class:`kvpop.evaluate.core.PolicyUnavailable` before any generation when a requested policy
@@ -404,8 +476,14 @@ def run_suite(model, tokenizer, cfg: SuiteConfig | None = None, *, out: str | Pa
     t_start = time.perf_counter()
     started = _dt.datetime.now().isoformat(timespec="seconds")
     notes = list(notes or [])
-    settings = Settings(sinks=cfg.sinks, window=cfg.window, window_fraction=cfg.window_fraction, lam=cfg.lam,
-                        budgets=tuple(cfg.budgets), policy_kwargs=dict(cfg.policy_kwargs or {}))  # fmt: skip
+    settings = Settings(
+        sinks=cfg.sinks,
+        window=cfg.window,
+        window_fraction=cfg.window_fraction,
+        lam=cfg.lam,
+        budgets=tuple(cfg.budgets),
+        policy_kwargs=dict(cfg.policy_kwargs or {}),
+    )
     policies, skipped = check_policies(model, cfg, settings, min(cfg.budgets) if cfg.budgets else 64)
     if skipped and not cfg.skip_unavailable:
         raise PolicyUnavailable(unavailable_message(skipped))
@@ -443,13 +521,17 @@ def run_suite(model, tokenizer, cfg: SuiteConfig | None = None, *, out: str | Pa
             dense = [recs.get(unit_key(c.item_id, DENSE, None)) for c in cases]
             if any(r is None for r in dense):
                 missing = sum(r is None for r in dense)
-                notes.append(f"{task}: --budgets auto waits for the dense records of {missing} case(s) that other "
-                             "shards run; rerun this shard when they are done")  # fmt: skip
+                notes.append(
+                    f"{task}: --budgets auto waits for the dense records of {missing} case(s) that other "
+                    "shards run; rerun this shard when they are done"
+                )
                 continue
             budgets[task] = auto_budgets(dense, cfg.compressions)
             mean = sum(r["seq_len"] for r in dense) / len(dense)
-            notes.append(f"{task}: mean dense sequence {mean:.1f} tokens -> budgets "
-                         + ", ".join(f"B={b} ({1 - b / mean:.1%} compression)" for b in budgets[task]))  # fmt: skip
+            notes.append(
+                f"{task}: mean dense sequence {mean:.1f} tokens -> budgets "
+                + ", ".join(f"B={b} ({1 - b / mean:.1%} compression)" for b in budgets[task])
+            )
             if progress:
                 print(f"[kvpop eval tasks] {notes[-1]}", flush=True)
         evicting = [p for p in policies if p != DENSE]
@@ -467,8 +549,9 @@ def run_suite(model, tokenizer, cfg: SuiteConfig | None = None, *, out: str | Pa
                         bar.set_postfix_str(f"{task} oracle")
                         targets, n_dense_new = runner.oracle_targets(case, bs)
                         for b in left:
-                            runner.run_batch([case], ORACLE, b, oracle=targets,
-                                             max_new=max(1, min(case.max_new_tokens, n_dense_new)))  # fmt: skip
+                            runner.run_batch(
+                                [case], ORACLE, b, oracle=targets, max_new=max(1, min(case.max_new_tokens, n_dense_new))
+                            )
                     continue
                 for b in bs:
                     for batch in _batches(todo(mine[task], policy, b), cfg.batch_size):
@@ -489,12 +572,23 @@ def run_suite(model, tokenizer, cfg: SuiteConfig | None = None, *, out: str | Pa
         interrupted = False
     finally:
         bar.close()
-        session = {"tag": tag, "shard": None if shard is None else f"{shard[0]}/{shard[1]}", "started": started,
-                   "finished": _dt.datetime.now().isoformat(timespec="seconds"),
-                   "wall_s": time.perf_counter() - t_start, "interrupted": interrupted, "tasks": list(cfg.tasks),
-                   "policies": policies, "budgets": budgets, "skipped_policies": skipped, "notes": notes,
-                   "units_run": runner.ran, "config": _jsonable(asdict(cfg)), "threads": torch.get_num_threads(),
-                   "device": str(model.device)}  # fmt: skip
+        session = {
+            "tag": tag,
+            "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
+            "started": started,
+            "finished": _dt.datetime.now().isoformat(timespec="seconds"),
+            "wall_s": time.perf_counter() - t_start,
+            "interrupted": interrupted,
+            "tasks": list(cfg.tasks),
+            "policies": policies,
+            "budgets": budgets,
+            "skipped_policies": skipped,
+            "notes": notes,
+            "units_run": runner.ran,
+            "config": _jsonable(asdict(cfg)),
+            "threads": torch.get_num_threads(),
+            "device": str(model.device),
+        }
         store.add_session(session)
     if out is not None:
         fp_all, units, sessions = load_dirs([out])
@@ -548,29 +642,39 @@ def summarize(units: list[dict], sessions: list[dict], fp: dict, n_boot: int = 2
         groups: dict[tuple, list[dict]] = defaultdict(list)
         for u in recs:
             groups[(u["policy"], u["budget"])].append(u)
-        for (policy, budget), rs in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][0],
-                                                                           -(kv[0][1] or 0))):  # fmt: skip
+        for (policy, budget), rs in sorted(
+            groups.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][0], -(kv[0][1] or 0))
+        ):
             rs = sorted(rs, key=lambda u: u["item_id"])
             scores = [float(u["score"]) for u in rs if u.get("score") is not None]
             paired = [(u["score"], dense[u["item_id"]]["score"]) for u in rs if u["item_id"] in dense]
             d_mean = _mean([d for _, d in paired])
             rel = _mean([s for s, _ in paired]) / d_mean if paired and d_mean else None
-            row = {"task": task, "policy": policy, "budget": budget, "n_cases": len(rs),
-                   "compression": None if budget is None or not mean_len else 1.0 - budget / mean_len,
-                   "score": _mean(scores), "ci": bootstrap_mean(scores, n_boot), "relative_to_dense": rel,
-                   "mean_seq_len": _mean([u["seq_len"] for u in rs]),
-                   "mean_new_tokens": _mean([u["new_tokens"] for u in rs]),
-                   "hit_max_new_tokens": sum(bool(u.get("hit_max_new_tokens")) for u in rs),
-                   "s_per_case": _mean([u.get("wall_s") for u in rs]),
-                   "window": rs[0].get("window"), "sinks": rs[0].get("sinks")}  # fmt: skip
+            row = {
+                "task": task,
+                "policy": policy,
+                "budget": budget,
+                "n_cases": len(rs),
+                "compression": None if budget is None or not mean_len else 1.0 - budget / mean_len,
+                "score": _mean(scores),
+                "ci": bootstrap_mean(scores, n_boot),
+                "relative_to_dense": rel,
+                "mean_seq_len": _mean([u["seq_len"] for u in rs]),
+                "mean_new_tokens": _mean([u["new_tokens"] for u in rs]),
+                "hit_max_new_tokens": sum(bool(u.get("hit_max_new_tokens")) for u in rs),
+                "s_per_case": _mean([u.get("wall_s") for u in rs]),
+                "window": rs[0].get("window"),
+                "sinks": rs[0].get("sinks"),
+            }
             if task == "humaneval":
                 row["passed"] = sum(bool(u.get("passed")) for u in rs)
                 row["status"] = dict(sorted(_count(u.get("status") for u in rs).items()))
             if policy not in (DENSE, REFERENCE) and budget is not None:
                 ref = {u["item_id"]: u for u in groups.get((REFERENCE, budget), [])}
                 if ref:
-                    row["vs_streaming"] = tally(compare(u["score"], ref[u["item_id"]]["score"]) if u["item_id"] in ref
-                                                else None for u in rs)  # fmt: skip
+                    row["vs_streaming"] = tally(
+                        compare(u["score"], ref[u["item_id"]]["score"]) if u["item_id"] in ref else None for u in rs
+                    )
             rows.append(row)
     present = {u["policy"] for u in units}
     policies = [p for p in DEFAULT_POLICIES if p in present] + sorted(present - set(DEFAULT_POLICIES))
@@ -582,11 +686,21 @@ def summarize(units: list[dict], sessions: list[dict], fp: dict, n_boot: int = 2
                 skipped.setdefault(p, r)
         notes += [n for n in s.get("notes", []) if n not in notes]
     auto = {t: {f"{c:g}": max(1, round((1.0 - c) * L)) for c in (0.75, 0.875)} for t, L in dense_len.items() if L}
-    return {"schema": SCHEMA, "model": fp.get("model"), "fingerprint": fp, "policies": policies,
-            "tasks": list(by_task), "dense_mean_seq_len": dense_len, "auto_budgets": auto, "rows": rows,
-            "skipped_policies": skipped,
-            "notes": notes, "sessions": sessions, "units": sorted(units, key=lambda u: u["key"]),
-            "wall_s": sum(s.get("wall_s", 0.0) for s in sessions)}  # fmt: skip
+    return {
+        "schema": SCHEMA,
+        "model": fp.get("model"),
+        "fingerprint": fp,
+        "policies": policies,
+        "tasks": list(by_task),
+        "dense_mean_seq_len": dense_len,
+        "auto_budgets": auto,
+        "rows": rows,
+        "skipped_policies": skipped,
+        "notes": notes,
+        "sessions": sessions,
+        "units": sorted(units, key=lambda u: u["key"]),
+        "wall_s": sum(s.get("wall_s", 0.0) for s in sessions),
+    }
 
 
 def _count(xs) -> dict:
@@ -612,11 +726,18 @@ def markdown(results: dict) -> str:
     details: 95% interval over cases, wins-losses-ties against StreamingLLM per case, lengths, time."""
     rows, policies = results["rows"], results["policies"]
     cell = {(r["task"], r["policy"], r["budget"]): r for r in rows}
-    lines = [f"# Task accuracy under a bounded KV cache — {results.get('model')}", "",
-             ("Score: HumanEval pass@1 (greedy); RULER tasks: string_match_all (fraction of the expected values "
-              "in the answer). Cell: absolute score (relative to dense on the same cases). B: KV slots per KV head; "
-              "compression of the mean dense sequence length (prompt + generated tokens)."), "",
-             "| task | budget | " + " | ".join(policies) + " |", "|---|---|" + "---|" * len(policies)]  # fmt: skip
+    lines = [
+        f"# Task accuracy under a bounded KV cache — {results.get('model')}",
+        "",
+        (
+            "Score: HumanEval pass@1 (greedy); RULER tasks: string_match_all (fraction of the expected values "
+            "in the answer). Cell: absolute score (relative to dense on the same cases). B: KV slots per KV head; "
+            "compression of the mean dense sequence length (prompt + generated tokens)."
+        ),
+        "",
+        "| task | budget | " + " | ".join(policies) + " |",
+        "|---|---|" + "---|" * len(policies),
+    ]
     for task in results["tasks"]:
         mean_len = results["dense_mean_seq_len"].get(task)
         budgets = sorted({r["budget"] for r in rows if r["task"] == task and r["budget"] is not None}, reverse=True)
@@ -634,8 +755,11 @@ def markdown(results: dict) -> str:
                     out.append(f"{_f(r['score'])} ({r['relative_to_dense']:.0%})")
             lines.append("| " + " | ".join(out) + " |")
         if not budgets and dense is not None:
-            lines.append(f"| {LABEL.get(task, task)} | dense only | " + " | ".join(
-                _f(dense["score"]) if p == DENSE else "-" for p in policies) + " |")  # fmt: skip
+            lines.append(
+                f"| {LABEL.get(task, task)} | dense only | "
+                + " | ".join(_f(dense["score"]) if p == DENSE else "-" for p in policies)
+                + " |"
+            )
     for task in results["tasks"]:
         trs = [r for r in rows if r["task"] == task]
         mean_len = results["dense_mean_seq_len"].get(task)
@@ -643,19 +767,31 @@ def markdown(results: dict) -> str:
         head = f"## {LABEL.get(task, task)} ({n} cases; mean dense sequence {_f(mean_len, '.1f')} tokens)"
         auto = results.get("auto_budgets", {}).get(task)
         if auto:
-            head += "\n\nBudgets that compress it by " + " and ".join(f"{float(c):.1%}: B = {b}"
-                                                                  for c, b in auto.items())  # fmt: skip
-        cols = ["policy", "budget", "score [95% CI]", "rel. to dense", "W-L-T vs streaming", "n", "mean seq",
-                "hit max new", "s/case"]  # fmt: skip
+            head += "\n\nBudgets that compress it by " + " and ".join(
+                f"{float(c):.1%}: B = {b}" for c, b in auto.items()
+            )
+        cols = [
+            "policy",
+            "budget",
+            "score [95% CI]",
+            "rel. to dense",
+            "W-L-T vs streaming",
+            "n",
+            "mean seq",
+            "hit max new",
+            "s/case",
+        ]
         lines += ["", head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         for r in trs:
             ci = f" [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]" if r.get("ci") else ""
             vs = r.get("vs_streaming")
             wl = f"{vs['wins']}-{vs['losses']}-{vs['ties']}" if vs else "-"
             rel = f"{r['relative_to_dense']:.1%}" if r.get("relative_to_dense") is not None else "-"
-            lines.append(f"| {r['policy']} | {_budget_label(r, mean_len or 0)} | {_f(r['score'])}{ci} | {rel} | {wl} "
-                         f"| {r['n_cases']} | {_f(r['mean_seq_len'], '.1f')} | {r['hit_max_new_tokens']} "
-                         f"| {_f(r['s_per_case'], '.2f')} |")  # fmt: skip
+            lines.append(
+                f"| {r['policy']} | {_budget_label(r, mean_len or 0)} | {_f(r['score'])}{ci} | {rel} | {wl} "
+                f"| {r['n_cases']} | {_f(r['mean_seq_len'], '.1f')} | {r['hit_max_new_tokens']} "
+                f"| {_f(r['s_per_case'], '.2f')} |"
+            )
     if results.get("skipped_policies"):
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in results["skipped_policies"].items())]
     lines += [""] + [f"- note: {n}" for n in results.get("notes", [])]
@@ -679,8 +815,14 @@ def plot(results: dict, out: str | Path) -> Path | None:
     for ax, task in zip(axes.ravel(), tasks):
         trs = [r for r in results["rows"] if r["task"] == task and r["score"] is not None]
         for p in results["policies"]:
-            pts = sorted(((r["compression"] or 0.0, r["score"], r.get("ci")) for r in trs
-                          if r["policy"] == p and r["budget"] is not None), key=lambda t: t[0])  # fmt: skip
+            pts = sorted(
+                (
+                    (r["compression"] or 0.0, r["score"], r.get("ci"))
+                    for r in trs
+                    if r["policy"] == p and r["budget"] is not None
+                ),
+                key=lambda t: t[0],
+            )
             if p == DENSE:
                 d = next((r for r in trs if r["policy"] == DENSE), None)
                 if d is not None:
@@ -690,8 +832,10 @@ def plot(results: dict, out: str | Path) -> Path | None:
                 continue
             dodge = 0.004 * (results["policies"].index(p) - len(results["policies"]) / 2)  # overlapping points
             xs, ys = [t[0] + dodge for t in pts], [t[1] for t in pts]
-            err = [[max(0.0, y - (c[0] if c else y)) for _, y, c in pts], [max(0.0, (c[1] if c else y) - y)
-                                                                          for _, y, c in pts]]  # fmt: skip
+            err = [
+                [max(0.0, y - (c[0] if c else y)) for _, y, c in pts],
+                [max(0.0, (c[1] if c else y) - y) for _, y, c in pts],
+            ]
             ax.errorbar(xs, ys, yerr=err, marker="o", ms=4, capsize=3, label=p, color=colors[p])
         ax.set_title(LABEL.get(task, task))
         ax.set_xlabel("compression (1 - B / mean dense length)")
@@ -755,39 +899,67 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tasks", nargs="+", choices=TASKS, help=f"default: {' '.join(DEFAULT_TASKS)}")
     p.add_argument("--policies", nargs="+", help=f"default: {' '.join(DEFAULT_POLICIES)} (dense always runs)")
-    p.add_argument("--skip-unavailable", action="store_true",
-                   help="run the policies that can be built and list the others as skipped (default: error)")
-    p.add_argument("--budgets", nargs="+", default=["auto"], metavar="B|auto",
-                   help="KV slots per KV head, or 'auto' (default): per task, B = round((1 - c) * the mean dense "
-                        "sequence length) for each --compressions c")  # fmt: skip
+    p.add_argument(
+        "--skip-unavailable",
+        action="store_true",
+        help="run the policies that can be built and list the others as skipped (default: error)",
+    )
+    p.add_argument(
+        "--budgets",
+        nargs="+",
+        default=["auto"],
+        metavar="B|auto",
+        help="KV slots per KV head, or 'auto' (default): per task, B = round((1 - c) * the mean dense "
+        "sequence length) for each --compressions c",
+    )
     p.add_argument("--compressions", nargs="+", type=float, help="with --budgets auto (default 0.75 0.875)")
     p.add_argument("--cases", type=int, help="cases per task (default: every HumanEval problem, 25 per RULER task)")
     p.add_argument("--context-length", type=int, help="RULER prompt + new tokens (default 4096)")
-    p.add_argument("--max-new-tokens", type=int,
-                   help="RULER answer length for every RULER task (default: niah 32, uuid / multi-value 64, vt 48)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="RULER answer length for every RULER task (default: niah 32, uuid / multi-value 64, vt 48)",
+    )
     p.add_argument("--humaneval-max-new-tokens", type=int, help="default 384")
-    p.add_argument("--humaneval-split", choices=("all", "train", "validation", "test"),
-                   help="problems of kvpop's fixed split of the HumanEval ids (default all; the shipped scorers were "
-                        "trained on the human_eval corpus' train split)")  # fmt: skip
+    p.add_argument(
+        "--humaneval-split",
+        choices=("all", "train", "validation", "test"),
+        help="problems of kvpop's fixed split of the HumanEval ids (default all; the shipped scorers were "
+        "trained on the human_eval corpus' train split)",
+    )
     p.add_argument("--timeout", type=float, help="seconds per HumanEval program (default 10)")
     p.add_argument("--sinks", type=int, help="sink tokens (default 4)")
     p.add_argument("--window", type=int, help="one protected window for every policy (default: each policy's own)")
     p.add_argument("--window-fraction", type=float, help="window = fraction * B for every window-based policy")
     p.add_argument("--lam", type=float, help="recency tilt for every policy (default: a learned scorer's own, else 0)")
     p.add_argument("--seed", type=int, help="seed of the RULER cases (default 0)")
-    p.add_argument("--batch-size", type=int,
-                   help="cases generated together per policy and budget, left-padded (default 1: exactly "
-                        "reproducible; the oracle always runs one at a time)")  # fmt: skip
-    p.add_argument("--scorer", action="append", metavar="PATH",
-                   help="a scorer checkpoint instead of the shipped one (repeatable, one per kind)")
-    p.add_argument("--model", help="model folder / .gguf / embedded name (default: the embedded SmolLM2-135M-Instruct, "
-                   "base model with the shipped scorers, as `kvpop eval`)")  # fmt: skip
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="cases generated together per policy and budget, left-padded (default 1: exactly "
+        "reproducible; the oracle always runs one at a time)",
+    )
+    p.add_argument(
+        "--scorer",
+        action="append",
+        metavar="PATH",
+        help="a scorer checkpoint instead of the shipped one (repeatable, one per kind)",
+    )
+    p.add_argument(
+        "--model",
+        help="model folder / .gguf / embedded name (default: the embedded SmolLM2-135M-Instruct, "
+        "base model with the shipped scorers, as `kvpop eval`)",
+    )
     p.add_argument("--out", help="output folder (records of finished units are kept there); required unless --report")
     p.add_argument("--shard", metavar="I/N", help="run every N-th case of each task, starting at the I-th")
     p.add_argument("--max-minutes", type=float, help="stop starting new units after this long (rerun to continue)")
-    p.add_argument("--report", nargs="+", metavar="DIR",
-                   help="rebuild results.json, table.md and tasks.png from the records of these folders (into --out, "
-                        "default the first folder); loads no model")  # fmt: skip
+    p.add_argument(
+        "--report",
+        nargs="+",
+        metavar="DIR",
+        help="rebuild results.json, table.md and tasks.png from the records of these folders (into --out, "
+        "default the first folder); loads no model",
+    )
     p.add_argument("--bootstrap", type=int, help="bootstrap resamples for the intervals (default 2000)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true")
@@ -796,13 +968,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args) -> SuiteConfig:
     over: dict = {}
-    for name, key in [("tasks", "tasks"), ("policies", "policies"), ("compressions", "compressions"),
-                      ("cases", "cases"), ("context_length", "context_length"),
-                      ("max_new_tokens", "ruler_max_new_tokens"),
-                      ("humaneval_max_new_tokens", "humaneval_max_new_tokens"), ("humaneval_split", "humaneval_split"),
-                      ("timeout", "timeout_s"), ("sinks", "sinks"), ("window", "window"),
-                      ("window_fraction", "window_fraction"), ("lam", "lam"), ("seed", "seed"),
-                      ("batch_size", "batch_size"), ("bootstrap", "bootstrap")]:  # fmt: skip
+    for name, key in [
+        ("tasks", "tasks"),
+        ("policies", "policies"),
+        ("compressions", "compressions"),
+        ("cases", "cases"),
+        ("context_length", "context_length"),
+        ("max_new_tokens", "ruler_max_new_tokens"),
+        ("humaneval_max_new_tokens", "humaneval_max_new_tokens"),
+        ("humaneval_split", "humaneval_split"),
+        ("timeout", "timeout_s"),
+        ("sinks", "sinks"),
+        ("window", "window"),
+        ("window_fraction", "window_fraction"),
+        ("lam", "lam"),
+        ("seed", "seed"),
+        ("batch_size", "batch_size"),
+        ("bootstrap", "bootstrap"),
+    ]:
         v = getattr(args, name, None)
         if v is not None:
             over[key] = tuple(v) if isinstance(v, list) else v
@@ -860,14 +1043,23 @@ def main(argv: list[str] | None = None) -> int:
 
     model, tokenizer = load_model_quietly(args.model)
     try:
-        results = run_suite(model, tokenizer, cfg, out=args.out, shard=shard, progress=not args.no_progress,
-                            plots=not args.no_plots,
-                            time_limit_s=None if args.max_minutes is None else 60.0 * args.max_minutes)  # fmt: skip
+        results = run_suite(
+            model,
+            tokenizer,
+            cfg,
+            out=args.out,
+            shard=shard,
+            progress=not args.no_progress,
+            plots=not args.no_plots,
+            time_limit_s=None if args.max_minutes is None else 60.0 * args.max_minutes,
+        )
     except (PolicyUnavailable, StoreMismatch, FileNotFoundError, ValueError) as exc:
         return _err(str(exc))
     print(markdown(results))
-    print(f"wrote {args.out}/results.json ({len(results['units'])} records), table.md, tasks.png in "
-          f"{time.perf_counter() - t0:.1f}s")  # fmt: skip
+    print(
+        f"wrote {args.out}/results.json ({len(results['units'])} records), table.md, tasks.png in "
+        f"{time.perf_counter() - t0:.1f}s"
+    )
     return 0
 
 

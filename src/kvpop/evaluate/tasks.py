@@ -36,9 +36,7 @@ TEXT_TASKS = ("lm", "continuation", "agreement")  # tasks that run on a document
 
 
 @torch.no_grad()
-def greedy(
-    model, tokenizer, prompt_ids: Tensor, max_new_tokens: int, cache=None, force_length: bool = False
-) -> Tensor:
+def greedy(model, tokenizer, prompt_ids: Tensor, max_new_tokens: int, cache=None, force_length: bool = False) -> Tensor:
     """Greedy new token ids (1-D) after ``prompt_ids`` (1-D), with ``cache`` (None: dense)."""
     ids = prompt_ids.view(1, -1).to(model.device)
     kw = {}
@@ -79,8 +77,9 @@ def render_chat(tokenizer, content: str, fallback_suffix: str = "\nAnswer:") -> 
     """Token ids of ``content`` as one user turn with the generation prompt (chat template), or
     ``content + fallback_suffix`` for a tokenizer without a template."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)  # fmt: skip
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(content + fallback_suffix, add_special_tokens=False)["input_ids"]
 
@@ -164,10 +163,33 @@ def needle_result(tokenizer, case: NeedleCase, new: Tensor) -> dict:
 # ------------------------------------------------------------------------------ multi-key recall
 
 MULTIKEY_NAMES = (
-    "Alice", "Bruno", "Chiara", "Dmitri", "Esther", "Farid", "Greta", "Hiroshi", "Ingrid", "Jamal",
-    "Keiko", "Lorenzo", "Marta", "Nikolai", "Olga", "Pedro", "Quentin", "Rosa", "Stefan", "Tamara",
-    "Ulrich", "Valeria", "Wendell", "Ximena", "Yusuf", "Zofia",
-)  # fmt: skip
+    "Alice",
+    "Bruno",
+    "Chiara",
+    "Dmitri",
+    "Esther",
+    "Farid",
+    "Greta",
+    "Hiroshi",
+    "Ingrid",
+    "Jamal",
+    "Keiko",
+    "Lorenzo",
+    "Marta",
+    "Nikolai",
+    "Olga",
+    "Pedro",
+    "Quentin",
+    "Rosa",
+    "Stefan",
+    "Tamara",
+    "Ulrich",
+    "Valeria",
+    "Wendell",
+    "Ximena",
+    "Yusuf",
+    "Zofia",
+)
 
 
 def multikey_fact(name: str, code: str) -> str:
@@ -194,8 +216,9 @@ class MultiKeyCase:
         return f"L{self.length}-c{self.case:02d}"
 
 
-def multikey_cases(tokenizer, filler_text: str, lengths, n_cases: int, n_keys: int = 4, seed: int = 0
-                   ) -> list[MultiKeyCase]:  # fmt: skip
+def multikey_cases(
+    tokenizer, filler_text: str, lengths, n_cases: int, n_keys: int = 4, seed: int = 0
+) -> list[MultiKeyCase]:
     """``n_cases`` cases per length: ``n_keys`` facts, one in each of ``n_keys`` equal segments of
     the filler (a random depth inside the middle 70% of its segment), then a question for one of
     them. Each case reads the filler from its own random offset, so cases differ in their text."""
@@ -221,8 +244,9 @@ def multikey_cases(tokenizer, filler_text: str, lengths, n_cases: int, n_keys: i
             start = rng.randrange(0, len(filler) - n_fill + 1)
             text = _spliced(tokenizer, filler, start, n_fill, list(zip(depths, facts))) + "\n\n" + question
             ids = torch.tensor(render_chat(tokenizer, text), dtype=torch.long)
-            cases.append(MultiKeyCase(ids, list(zip(names, codes)), depths, names[asked], codes[asked], length, c,
-                                      text))  # fmt: skip
+            cases.append(
+                MultiKeyCase(ids, list(zip(names, codes)), depths, names[asked], codes[asked], length, c, text)
+            )
     return cases
 
 

@@ -139,7 +139,6 @@ class Policy:
         return (fn, consts) if type(self).score is owner.score else None
 
 
-
 class PolicyKernels:
     """A policy on one device, as a cache's steps (``kvpop.step``) call it: its scores, its
     per-sequence state and its fused decode kernels for each layer. ``Policy.prepare(device)``

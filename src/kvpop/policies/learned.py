@@ -138,9 +138,17 @@ def learned_score(scorer: ScorerStack, state, batch: ExitBatch):
     if c == 1 and batch.all_valid and batch.keys.shape[2] == 1:
         b = batch.new_keys.shape[0]
         state, scores = scorer.decode_scores(
-            batch.layer_idx, state, batch.new_keys, batch.new_values, batch.keys, batch.values,
-            batch.new_index.view(b), batch.index.view(b), batch.attention, batch.window,
-        )  # fmt: skip
+            batch.layer_idx,
+            state,
+            batch.new_keys,
+            batch.new_values,
+            batch.keys,
+            batch.values,
+            batch.new_index.view(b),
+            batch.index.view(b),
+            batch.attention,
+            batch.window,
+        )
         return state, scores.unsqueeze(-1)
     mask = None if batch.all_valid else batch.new_index >= 0
     read_steps = None if c == 1 else torch.arange(c, device=batch.new_keys.device)
@@ -149,11 +157,19 @@ def learned_score(scorer: ScorerStack, state, batch: ExitBatch):
         b, h, x, _ = batch.keys.shape
         observed = batch.keys.new_zeros(b, h, x, len(scorer.config.observed), dtype=torch.float32)
     state, scores = scorer.step_and_read(
-        batch.layer_idx, state, batch.new_keys.float(), batch.new_values.float(),
-        batch.keys.float(), batch.values.float(), read_steps, mask,
-        new_positions=batch.new_index, read_positions=batch.index,
-        observed=observed, window=batch.window,
-    )  # fmt: skip
+        batch.layer_idx,
+        state,
+        batch.new_keys.float(),
+        batch.new_values.float(),
+        batch.keys.float(),
+        batch.values.float(),
+        read_steps,
+        mask,
+        new_positions=batch.new_index,
+        read_positions=batch.index,
+        observed=observed,
+        window=batch.window,
+    )
     return state, scores.float()
 
 
@@ -184,7 +200,10 @@ class LearnedKernels(PolicyKernels):
             from ..scorers.decode import decode_params
 
             scorer = self.scorer = self.policy.scorer_for(self.device)  # brought up to date (refresh)
-            hit = self._kernels[(layer_idx, window)] = (version, (scorer.decode_spec(window), decode_params(scorer, layer_idx)))
+            hit = self._kernels[(layer_idx, window)] = (
+                version,
+                (scorer.decode_spec(window), decode_params(scorer, layer_idx)),
+            )
         return hit[1]
 
     def steady_score(self, layer_idx: int) -> None:

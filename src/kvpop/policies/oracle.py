@@ -36,8 +36,10 @@ class OraclePolicy(Policy):
     def validate(self, config, eviction) -> None:
         shape = attention_shape(config)
         if len(self.targets) != len(shape.bounded):
-            raise ValueError(f"oracle has targets for {len(self.targets)} layers, the model has {len(shape.bounded)} "
-                             "full-attention layers")  # fmt: skip
+            raise ValueError(
+                f"oracle has targets for {len(self.targets)} layers, the model has {len(shape.bounded)} "
+                "full-attention layers"
+            )
         for t in self.targets:
             if t.ndim != 3 or t.shape[1] != shape.kv_heads:
                 raise ValueError(f"oracle targets must be [batch, {shape.kv_heads}, S], got {tuple(t.shape)}")
@@ -46,7 +48,9 @@ class OraclePolicy(Policy):
         rows = self.targets[layer_idx].shape[0]
         if rows not in (1, batch):
             raise ValueError(f"oracle targets have {rows} rows; the cache has {batch}")
-        return torch.arange(batch, device=device) if rows == batch else torch.zeros(batch, dtype=torch.long, device=device)
+        return (
+            torch.arange(batch, device=device) if rows == batch else torch.zeros(batch, dtype=torch.long, device=device)
+        )
 
     def score(self, state: torch.Tensor, batch: ExitBatch) -> tuple[torch.Tensor, torch.Tensor]:
         target = self.targets[batch.layer_idx].to(batch.keys.device).index_select(0, state)

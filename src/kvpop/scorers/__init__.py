@@ -26,13 +26,13 @@ from .mlstm import KVpopMLSTM, MLSTMState
 TILT_SCALE = 1000.0
 
 __all__ = [
+    "TILT_SCALE",
     "BaseScorer",
     "KVpopMLP",
     "KVpopMLSTM",
     "MLSTMState",
     "ScorerConfig",
     "ScorerStack",
-    "TILT_SCALE",
     "build_scorer",
     "feature_dim",
     "kv_features",
@@ -126,8 +126,16 @@ class ScorerStack(nn.ModuleList):
         return scores + lam[layer_idx].view(1, -1, 1).to(scores.dtype) * pos.unsqueeze(1)
 
     # --- training -------------------------------------------------------------------------
-    def forward_layer(self, layer_idx: int, k: Tensor, v: Tensor, window: int, positions: Tensor | None = None,
-                      observed: Tensor | None = None, **kwargs) -> Tensor:
+    def forward_layer(
+        self,
+        layer_idx: int,
+        k: Tensor,
+        v: Tensor,
+        window: int,
+        positions: Tensor | None = None,
+        observed: Tensor | None = None,
+        **kwargs,
+    ) -> Tensor:
         extra = self._extra(observed, window)
         if extra is not None:
             kwargs["extra"] = extra
@@ -138,21 +146,45 @@ class ScorerStack(nn.ModuleList):
     def init_state(self, batch: int = 1, device=None, dtype=None) -> list[Any]:
         return [layer.init_state(batch, device, dtype) for layer in self]
 
-    def step(self, layer_idx: int, state, k: Tensor, v: Tensor, mask: Tensor | None = None,
-             positions: Tensor | None = None):
+    def step(
+        self, layer_idx: int, state, k: Tensor, v: Tensor, mask: Tensor | None = None, positions: Tensor | None = None
+    ):
         return self[layer_idx].step(state, self._keys(k, positions), v, mask)
 
-    def read(self, layer_idx: int, state, k: Tensor, v: Tensor, positions: Tensor | None = None,
-             observed: Tensor | None = None, window: int | None = None) -> Tensor:
+    def read(
+        self,
+        layer_idx: int,
+        state,
+        k: Tensor,
+        v: Tensor,
+        positions: Tensor | None = None,
+        observed: Tensor | None = None,
+        window: int | None = None,
+    ) -> Tensor:
         extra = self._extra(observed, window)
-        scores = self[layer_idx].read(state, self._keys(k, positions), v, extra) if extra is not None \
+        scores = (
+            self[layer_idx].read(state, self._keys(k, positions), v, extra)
+            if extra is not None
             else self[layer_idx].read(state, self._keys(k, positions), v)
+        )
         return self._tilted(layer_idx, scores, positions)
 
-    def step_and_read(self, layer_idx: int, state, k_new: Tensor, v_new: Tensor, k_read: Tensor,
-                      v_read: Tensor, read_steps=None, mask: Tensor | None = None, *,
-                      new_positions: Tensor | None = None, read_positions: Tensor | None = None,
-                      observed: Tensor | None = None, window: int | None = None):
+    def step_and_read(
+        self,
+        layer_idx: int,
+        state,
+        k_new: Tensor,
+        v_new: Tensor,
+        k_read: Tensor,
+        v_read: Tensor,
+        read_steps=None,
+        mask: Tensor | None = None,
+        *,
+        new_positions: Tensor | None = None,
+        read_positions: Tensor | None = None,
+        observed: Tensor | None = None,
+        window: int | None = None,
+    ):
         """Consume ``k_new``/``v_new`` and score ``k_read``/``v_read`` (see the layer modules).
 
         ``new_positions`` / ``read_positions``: logical indices of those tokens (needed with
@@ -161,19 +193,45 @@ class ScorerStack(nn.ModuleList):
         extra = self._extra(observed, window)
         kw = {"extra": extra} if extra is not None else {}
         state, scores = self[layer_idx].step_and_read(
-            state, self._keys(k_new, new_positions), v_new, self._keys(k_read, read_positions), v_read,
-            read_steps, mask, **kw,
+            state,
+            self._keys(k_new, new_positions),
+            v_new,
+            self._keys(k_read, read_positions),
+            v_read,
+            read_steps,
+            mask,
+            **kw,
         )
         return state, self._tilted(layer_idx, scores, read_positions)
 
-    def decode_scores(self, layer_idx: int, state, k_new: Tensor, v_new: Tensor, k_read: Tensor, v_read: Tensor,
-                      new_positions: Tensor, read_positions: Tensor, observed: Tensor | None = None,
-                      window: int | None = None):
+    def decode_scores(
+        self,
+        layer_idx: int,
+        state,
+        k_new: Tensor,
+        v_new: Tensor,
+        k_read: Tensor,
+        v_read: Tensor,
+        new_positions: Tensor,
+        read_positions: Tensor,
+        observed: Tensor | None = None,
+        window: int | None = None,
+    ):
         """The decode steady state's ``step_and_read``: one new and one exiting token per row
         (``k_* / v_* [b, h, 1, d]``, ``*_positions [b]``, ``observed [b, h, 1, n]``); returns
         ``(state, scores [b, h])``. See ``kvpop.scorers.decode``."""
-        return decode_scores(self.decode_spec(window), decode_params(self, layer_idx), state, k_new, v_new,
-                             k_read, v_read, new_positions, read_positions, observed)
+        return decode_scores(
+            self.decode_spec(window),
+            decode_params(self, layer_idx),
+            state,
+            k_new,
+            v_new,
+            k_read,
+            v_read,
+            new_positions,
+            read_positions,
+            observed,
+        )
 
     def decode_spec(self, window: int | None) -> DecodeSpec:
         """The :class:`~kvpop.scorers.decode.DecodeSpec` at protected ``window`` (built once per window)."""
@@ -185,8 +243,9 @@ class ScorerStack(nn.ModuleList):
     # persistence
     def save(self, path: str | os.PathLike) -> None:
         """torch.save of {"config": dict, "state_dict": ...}."""
-        torch.save({"format": "kvpop-scorer-v1", "config": self.config.to_dict(),
-                    "state_dict": self.state_dict()}, path)
+        torch.save(
+            {"format": "kvpop-scorer-v1", "config": self.config.to_dict(), "state_dict": self.state_dict()}, path
+        )
 
     @classmethod
     def load(cls, path: str | os.PathLike, map_location=None) -> ScorerStack:

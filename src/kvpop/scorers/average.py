@@ -22,8 +22,17 @@ from . import TILT_SCALE, ScorerStack
 __all__ = ["average_scorers"]
 
 # fields that define what a scorer reads and how its score is used: they must agree between members
-_SHARED = ("num_layers", "kv_heads", "head_dim", "input_norm", "eps", "position_free", "observed", "tilt",
-           "cross_heads")
+_SHARED = (
+    "num_layers",
+    "kv_heads",
+    "head_dim",
+    "input_norm",
+    "eps",
+    "position_free",
+    "observed",
+    "tilt",
+    "cross_heads",
+)
 
 
 def average_scorers(stacks: Sequence[ScorerStack], weights: Sequence[float] | None = None) -> ScorerStack:
@@ -51,13 +60,16 @@ def average_scorers(stacks: Sequence[ScorerStack], weights: Sequence[float] | No
             raise ValueError(f"stacks[{i}] is a {s.config.kind!r} scorer; only MLP scorers average into one MLP")
         for name in _SHARED:
             if getattr(s.config, name) != getattr(first, name):
-                raise ValueError(f"stacks[{i}].config.{name} is {getattr(s.config, name)!r}, "
-                                 f"stacks[0] has {getattr(first, name)!r}: the scorers read different inputs")
+                raise ValueError(
+                    f"stacks[{i}].config.{name} is {getattr(s.config, name)!r}, "
+                    f"stacks[0] has {getattr(first, name)!r}: the scorers read different inputs"
+                )
         if first.position_free and not torch.equal(s.rope_inv_freq, stacks[0].rope_inv_freq):
             raise ValueError(f"stacks[{i}] undoes a different RoPE than stacks[0] (rope_inv_freq differs)")
         if first.position_free and s.config.rope_scaling != first.rope_scaling:
-            raise ValueError(f"stacks[{i}].config.rope_scaling is {s.config.rope_scaling}, stacks[0] has "
-                             f"{first.rope_scaling}")
+            raise ValueError(
+                f"stacks[{i}].config.rope_scaling is {s.config.rope_scaling}, stacks[0] has {first.rope_scaling}"
+            )
     config = dataclasses.replace(first, hidden=sum(s.config.hidden for s in stacks), seed=0)
     merged = ScorerStack(config)
     with torch.no_grad():
@@ -79,4 +91,3 @@ def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
     """x with softplus(x) = y (y > 0), computed stably: x = y + log(-expm1(-y))."""
     y = y.double()
     return (y + torch.log(-torch.expm1(-y))).float()
-

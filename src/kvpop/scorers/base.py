@@ -133,8 +133,9 @@ def feature_dim(head_dim: int, input_norm: bool) -> int:
     return 2 * head_dim + (2 if input_norm else 0)
 
 
-def kv_features(k: Tensor, v: Tensor, input_norm: bool = True, eps: float = 1e-6,
-                dtype: torch.dtype | None = None) -> Tensor:
+def kv_features(
+    k: Tensor, v: Tensor, input_norm: bool = True, eps: float = 1e-6, dtype: torch.dtype | None = None
+) -> Tensor:
     """[b, h, T, D] keys and values -> [b, h, T, feature_dim] (detached, cast to dtype)."""
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -215,10 +216,10 @@ class BaseScorer(nn.Module):
     def _check_kv(self, k: Tensor, v: Tensor) -> None:
         if k.dim() != 4 or k.shape != v.shape:
             raise ValueError(
-                f"expected k, v of shape [batch, kv_heads, T, head_dim], got {tuple(k.shape)}, {tuple(v.shape)}")
+                f"expected k, v of shape [batch, kv_heads, T, head_dim], got {tuple(k.shape)}, {tuple(v.shape)}"
+            )
         if k.shape[1] != self.kv_heads or k.shape[3] != self.head_dim:
-            raise ValueError(
-                f"expected kv_heads={self.kv_heads}, head_dim={self.head_dim}, got shape {tuple(k.shape)}")
+            raise ValueError(f"expected kv_heads={self.kv_heads}, head_dim={self.head_dim}, got shape {tuple(k.shape)}")
 
 
 def seeded_generator(seed: int) -> torch.Generator:

@@ -115,8 +115,18 @@ def decode_params(stack, layer_idx: int) -> MLSTMParams | MLPParams:
     return params._make(None if p is None else p.detach() for p in params)
 
 
-def decode_scores(spec: DecodeSpec, params: MLSTMParams | MLPParams, state, k_new: Tensor, v_new: Tensor,
-                  k_read: Tensor, v_read: Tensor, t_new: Tensor, t_read: Tensor, observed: Tensor | None):  # fmt: skip
+def decode_scores(
+    spec: DecodeSpec,
+    params: MLSTMParams | MLPParams,
+    state,
+    k_new: Tensor,
+    v_new: Tensor,
+    k_read: Tensor,
+    v_read: Tensor,
+    t_new: Tensor,
+    t_read: Tensor,
+    observed: Tensor | None,
+):
     """One new token (``k_new``/``v_new [b, h, 1, d]`` at ``t_new [b]``) enters the scorer's state and
     one token (``k_read``/``v_read`` at ``t_read``, with ``observed [b, h, 1, n]``) is scored.
 

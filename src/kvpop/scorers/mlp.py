@@ -37,8 +37,18 @@ class KVpopMLP(BaseScorer):
 
     is_stateful = False
 
-    def __init__(self, kv_heads: int, head_dim: int, hidden: int = 64, *, input_norm: bool = True,
-                 eps: float = 1e-6, seed: int = 0, n_extra: int = 0, cross_heads: bool = False) -> None:
+    def __init__(
+        self,
+        kv_heads: int,
+        head_dim: int,
+        hidden: int = 64,
+        *,
+        input_norm: bool = True,
+        eps: float = 1e-6,
+        seed: int = 0,
+        n_extra: int = 0,
+        cross_heads: bool = False,
+    ) -> None:
         super().__init__()
         self.kv_heads = int(kv_heads)
         self.head_dim = int(head_dim)
@@ -60,9 +70,16 @@ class KVpopMLP(BaseScorer):
 
     @classmethod
     def from_config(cls, config: ScorerConfig, layer_idx: int = 0) -> KVpopMLP:
-        return cls(config.kv_heads, config.head_dim, config.hidden, input_norm=config.input_norm,
-                   eps=config.eps, seed=config.seed + layer_idx, n_extra=config.n_extra,
-                   cross_heads=config.cross_heads)
+        return cls(
+            config.kv_heads,
+            config.head_dim,
+            config.hidden,
+            input_norm=config.input_norm,
+            eps=config.eps,
+            seed=config.seed + layer_idx,
+            n_extra=config.n_extra,
+            cross_heads=config.cross_heads,
+        )
 
     def reset_parameters(self, seed: int = 0) -> None:
         g = seeded_generator(seed)
@@ -83,8 +100,16 @@ class KVpopMLP(BaseScorer):
         hdn = F.silu(head_linear(x, self.w1, self.b1))
         return head_score(hdn, self.w2, self.b2)
 
-    def forward(self, k: Tensor, v: Tensor, window: int | None = None, *, mask: Tensor | None = None,
-                extra: Tensor | None = None, **unused) -> Tensor:
+    def forward(
+        self,
+        k: Tensor,
+        v: Tensor,
+        window: int | None = None,
+        *,
+        mask: Tensor | None = None,
+        extra: Tensor | None = None,
+        **unused,
+    ) -> Tensor:
         """Scores of every token, ``[b, h, T]``. ``window`` and ``mask`` are accepted for
         interface parity with the mLSTM scorer and ignored (the MLP is per-token)."""
         return self.score(k, v, extra)
@@ -99,11 +124,21 @@ class KVpopMLP(BaseScorer):
     def read(self, state, k: Tensor, v: Tensor, extra: Tensor | None = None) -> Tensor:
         return self.score(k, v, extra)
 
-    def step_and_read(self, state, k_new: Tensor, v_new: Tensor, k_read: Tensor, v_read: Tensor,
-                      read_steps: Tensor | None = None, mask: Tensor | None = None,
-                      extra: Tensor | None = None):
+    def step_and_read(
+        self,
+        state,
+        k_new: Tensor,
+        v_new: Tensor,
+        k_read: Tensor,
+        v_read: Tensor,
+        read_steps: Tensor | None = None,
+        mask: Tensor | None = None,
+        extra: Tensor | None = None,
+    ):
         return state, self.score(k_read, v_read, extra)
 
     def extra_repr(self) -> str:
-        return (f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, hidden={self.hidden}, "
-                f"input_norm={self.input_norm}, cross_heads={self.cross_heads}")
+        return (
+            f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, hidden={self.hidden}, "
+            f"input_norm={self.input_norm}, cross_heads={self.cross_heads}"
+        )

@@ -77,8 +77,9 @@ class MLSTMState(NamedTuple):
 
     def index_select(self, batch_idx: Tensor) -> MLSTMState:
         """Reorder / select batch rows (e.g. for beam search)."""
-        return MLSTMState(self.C.index_select(0, batch_idx), self.n.index_select(0, batch_idx),
-                          self.m.index_select(0, batch_idx))
+        return MLSTMState(
+            self.C.index_select(0, batch_idx), self.n.index_select(0, batch_idx), self.m.index_select(0, batch_idx)
+        )
 
 
 def _exp_diff(a: Tensor, b: Tensor) -> Tensor:
@@ -134,8 +135,9 @@ def mlstm_read(state: MLSTMState, qq: Tensor, nonempty: bool = False) -> Tensor:
     return _stabilised(num, den, m.unsqueeze(-1) if qq.dim() == C.dim() else m)
 
 
-def score_head(h: Tensor, u: Tensor, w_out: Tensor, b_out: Tensor, *, h_norm: bool, read_mlp: bool,
-               eps: float) -> Tensor:  # fmt: skip
+def score_head(
+    h: Tensor, u: Tensor, w_out: Tensor, b_out: Tensor, *, h_norm: bool, read_mlp: bool, eps: float
+) -> Tensor:
     """The score head ``r_hat = w_out . [rmsnorm(h) ; SiLU(u)] + b_out`` per KV head: h [b, h, M, dv] and
     u [b, h, M, hidden] -> [b, h, M], or one read per row (the decode step) h [b, h, dv] -> [b, h]."""
     if h.dtype != w_out.dtype:
@@ -170,10 +172,24 @@ class KVpopMLSTM(BaseScorer):
 
     is_stateful = True
 
-    def __init__(self, kv_heads: int, head_dim: int, dk: int = 32, dv: int = 32, hidden: int = 64, *,
-                 input_norm: bool = True, read_mlp: bool = True, h_norm: bool = True,
-                 forget_gate: str = "sigmoid", forget_bias: tuple[float, float] = (3.0, 6.0),
-                 chunk_size: int = 128, eps: float = 1e-6, seed: int = 0, n_extra: int = 0) -> None:
+    def __init__(
+        self,
+        kv_heads: int,
+        head_dim: int,
+        dk: int = 32,
+        dv: int = 32,
+        hidden: int = 64,
+        *,
+        input_norm: bool = True,
+        read_mlp: bool = True,
+        h_norm: bool = True,
+        forget_gate: str = "sigmoid",
+        forget_bias: tuple[float, float] = (3.0, 6.0),
+        chunk_size: int = 128,
+        eps: float = 1e-6,
+        seed: int = 0,
+        n_extra: int = 0,
+    ) -> None:
         super().__init__()
         if forget_gate not in ("sigmoid", "exp"):
             raise ValueError(f"forget_gate must be 'sigmoid' or 'exp', got {forget_gate!r}")
@@ -207,11 +223,22 @@ class KVpopMLSTM(BaseScorer):
 
     @classmethod
     def from_config(cls, config: ScorerConfig, layer_idx: int = 0) -> KVpopMLSTM:
-        return cls(config.kv_heads, config.head_dim, config.dk, config.dv, config.hidden,
-                   input_norm=config.input_norm, read_mlp=config.read_mlp, h_norm=config.h_norm,
-                   forget_gate=config.forget_gate, forget_bias=config.forget_bias,
-                   chunk_size=config.chunk_size, eps=config.eps, seed=config.seed + layer_idx,
-                   n_extra=config.n_extra)
+        return cls(
+            config.kv_heads,
+            config.head_dim,
+            config.dk,
+            config.dv,
+            config.hidden,
+            input_norm=config.input_norm,
+            read_mlp=config.read_mlp,
+            h_norm=config.h_norm,
+            forget_gate=config.forget_gate,
+            forget_bias=config.forget_bias,
+            chunk_size=config.chunk_size,
+            eps=config.eps,
+            seed=config.seed + layer_idx,
+            n_extra=config.n_extra,
+        )
 
     def reset_parameters(self, seed: int = 0) -> None:
         """Deterministic init: projections N(0, 1/Din), gate weights N(0, 0.1^2/Din), input-gate
@@ -220,7 +247,7 @@ class KVpopMLSTM(BaseScorer):
         normal_init_(self.w_proj, 1.0 / math.sqrt(self.in_dim), g)
         normal_init_(self.w_out, 1.0 / math.sqrt(self.dv + self.hidden), g)
         with torch.no_grad():
-            self.w_proj[:, :, self._o_gate:self._o_gate + 2].mul_(0.1)
+            self.w_proj[:, :, self._o_gate : self._o_gate + 2].mul_(0.1)
             self.b_proj.zero_()
             lo, hi = self.forget_bias
             fb = torch.linspace(lo, hi, self.kv_heads) if self.kv_heads > 1 else torch.tensor([lo])
@@ -240,27 +267,28 @@ class KVpopMLSTM(BaseScorer):
         if dtype is not None and p.dtype != dtype:
             p = p.to(dtype)
         o = self._o_gate
-        kk = p[..., :self.dk]
-        vv = p[..., self.dk:o]
+        kk = p[..., : self.dk]
+        vv = p[..., self.dk : o]
         ig = p[..., o]
         fg = p[..., o + 1]
         logf = F.logsigmoid(fg) if self.forget_gate == "sigmoid" else fg
         return kk, vv, ig, logf
 
     def _split_read(self, p: Tensor, dtype: torch.dtype | None = None, extra: Tensor | None = None):
-        r = p[..., self._o_q:]
+        r = p[..., self._o_q :]
         if self.n_extra:
             if extra is None or extra.shape[:-1] != r.shape[:-1] or extra.shape[-1] != self.n_extra:
                 got = None if extra is None else tuple(extra.shape)
-                raise ValueError(f"this scorer needs extra features [b, h, n, {self.n_extra}] (observed attention), "
-                                 f"got {got}")
+                raise ValueError(
+                    f"this scorer needs extra features [b, h, n, {self.n_extra}] (observed attention), got {got}"
+                )
             r = r + torch.einsum("bhne,hef->bhnf", extra.to(r.dtype), self.w_extra)
         elif extra is not None and extra.shape[-1]:
             raise ValueError(f"this scorer takes no extra features, got {tuple(extra.shape)}")
         qq = r[..., : self.dk]
         if dtype is not None and qq.dtype != dtype:
             qq = qq.to(dtype)
-        return qq * self.q_scale, r[..., self.dk:]
+        return qq * self.q_scale, r[..., self.dk :]
 
     def _head(self, h: Tensor, u: Tensor) -> Tensor:
         return score_head(h, u, self.w_out, self.b_out, h_norm=self.h_norm, read_mlp=self.read_mlp, eps=self.eps)
@@ -277,13 +305,15 @@ class KVpopMLSTM(BaseScorer):
 
     def _check_state(self, state: MLSTMState, batch: int) -> None:
         if state.C.shape[:2] != (batch, self.kv_heads):
-            raise ValueError(f"state is for batch/heads {tuple(state.C.shape[:2])}, inputs are "
-                             f"{(batch, self.kv_heads)}")
+            raise ValueError(
+                f"state is for batch/heads {tuple(state.C.shape[:2])}, inputs are {(batch, self.kv_heads)}"
+            )
 
     # ---------------------------------------------------------- state update
     @staticmethod
-    def _update(state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor,
-                F64: Tensor | None = None) -> MLSTMState:
+    def _update(
+        state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor, F64: Tensor | None = None
+    ) -> MLSTMState:
         """Consume n tokens (masks already folded into ig/logf) in closed form."""
         if kk.shape[2] == 0:
             return state
@@ -299,19 +329,32 @@ class KVpopMLSTM(BaseScorer):
         return MLSTMState(d1[..., None, None] * C0 + C, d1.unsqueeze(-1) * n0 + n, m_new)
 
     @staticmethod
-    def _update1(state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor,
-                 mask: Tensor | None) -> MLSTMState:
+    def _update1(
+        state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor, mask: Tensor | None
+    ) -> MLSTMState:
         """Fast path for ONE new token (kk [b,h,1,dk], ig/logf [b,h,1]): :func:`mlstm_step`."""
         new = mlstm_step(state, kk.squeeze(-2), vv.squeeze(-2), ig.squeeze(-1), logf.squeeze(-1))
         if mask is None:
             return new
         keep = mask.to(device=new.C.device, dtype=torch.bool).reshape(-1, 1)  # [b, 1]
-        return MLSTMState(torch.where(keep[..., None, None], new.C, state.C),
-                          torch.where(keep[..., None], new.n, state.n), torch.where(keep, new.m, state.m))
+        return MLSTMState(
+            torch.where(keep[..., None, None], new.C, state.C),
+            torch.where(keep[..., None], new.n, state.n),
+            torch.where(keep, new.m, state.m),
+        )
 
     # ------------------------------------------------ general parallel readout
-    def _scan(self, state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor, qq: Tensor,
-              read_steps: Tensor, query_block: int = 512) -> tuple[Tensor, MLSTMState]:
+    def _scan(
+        self,
+        state: MLSTMState,
+        kk: Tensor,
+        vv: Tensor,
+        ig: Tensor,
+        logf: Tensor,
+        qq: Tensor,
+        read_steps: Tensor,
+        query_block: int = 512,
+    ) -> tuple[Tensor, MLSTMState]:
         """Consume n new tokens from ``state`` and read queries qq [b,h,M,dk], query j against the
         state after new token read_steps[b, j] (in [-1, n-1]; -1 = before any new token).
         O(query_block * n) memory. Returns (h [b,h,M,dv], state after all n tokens)."""
@@ -332,8 +375,7 @@ class KVpopMLSTM(BaseScorer):
                 j1 = min(M, j0 + query_block)
                 Fqb = Fq[..., j0:j1]
                 ref = Fqb[..., :1]  # subtract a per-block reference: small, exact-ish differences
-                D = ((Fqb - ref).to(dtype).unsqueeze(-1) - (F64 - ref).to(dtype).unsqueeze(-2)
-                     + ig.unsqueeze(-2))
+                D = (Fqb - ref).to(dtype).unsqueeze(-1) - (F64 - ref).to(dtype).unsqueeze(-2) + ig.unsqueeze(-2)
                 future = pos.view(1, 1, n) > read_steps[:, j0:j1].unsqueeze(-1)  # [b, mb, n]
                 D = D.masked_fill(future.unsqueeze(1), _NEG_INF)
                 inter = Fqb.to(dtype) + m0.unsqueeze(-1)
@@ -342,8 +384,9 @@ class KVpopMLSTM(BaseScorer):
         return h, self._update(state, kk, vv, ig, logf, F64)
 
     # --------------------------------------------------- chunkwise (training)
-    def _chunkwise(self, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor, qq: Tensor, window: int,
-                   L: int) -> tuple[Tensor, MLSTMState]:
+    def _chunkwise(
+        self, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor, qq: Tensor, window: int, L: int
+    ) -> tuple[Tensor, MLSTMState]:
         b, H, T, dk = kk.shape
         dv = vv.shape[-1]
         nmain = max(T - window, 0)  # tokens 0..nmain-1 are read at step t + window <= T-1
@@ -386,15 +429,25 @@ class KVpopMLSTM(BaseScorer):
             D = D.masked_fill(~causal, _NEG_INF)
             inter = Fl + mp.unsqueeze(-1)
             hs = _attend(Qs, kk, vv, D, inter, Cp, np_).reshape(b, H, nc * L, dv)
-            parts.append(hs[:, :, window:window + nmain])
+            parts.append(hs[:, :, window : window + nmain])
         if nmain < T:  # tokens whose exit step lies beyond the sequence: final state
             parts.append(mlstm_read(final, qq[:, :, nmain:]))
         return torch.cat(parts, dim=2), final
 
     # ------------------------------------------------------------- public API
-    def forward(self, k: Tensor, v: Tensor, window: int, *, mask: Tensor | None = None,
-                mode: str = "chunkwise", chunk_size: int | None = None, query_block: int = 512,
-                return_state: bool = False, extra: Tensor | None = None):
+    def forward(
+        self,
+        k: Tensor,
+        v: Tensor,
+        window: int,
+        *,
+        mask: Tensor | None = None,
+        mode: str = "chunkwise",
+        chunk_size: int | None = None,
+        query_block: int = 512,
+        return_state: bool = False,
+        extra: Tensor | None = None,
+    ):
         """Scores of every token of a sequence, ``[b, h, T]``: token t read at step
         min(t + window, T - 1) (see module docstring). ``mask`` [b, T] (bool, True = real
         token) makes padding positions identity updates of the state (left padding keeps
@@ -416,8 +469,9 @@ class KVpopMLSTM(BaseScorer):
             h, state = self._chunkwise(kk, vv, ig, logf, qq, window, int(chunk_size or self.chunk_size))
         elif mode == "parallel":
             steps = (torch.arange(T, device=k.device) + window).clamp_(max=T - 1)
-            h, state = self._scan(self.init_state(b, k.device), kk, vv, ig, logf, qq,
-                                  steps.unsqueeze(0).expand(b, T), query_block)
+            h, state = self._scan(
+                self.init_state(b, k.device), kk, vv, ig, logf, qq, steps.unsqueeze(0).expand(b, T), query_block
+            )
         else:
             raise ValueError(f"mode must be 'chunkwise' or 'parallel', got {mode!r}")
         scores = self._head(h, u)
@@ -429,9 +483,11 @@ class KVpopMLSTM(BaseScorer):
         device = device if device is not None else self.w_proj.device
         dtype = dtype or self.w_proj.dtype
         H = self.kv_heads
-        return MLSTMState(torch.zeros(batch, H, self.dk, self.dv, device=device, dtype=dtype),
-                          torch.zeros(batch, H, self.dk, device=device, dtype=dtype),
-                          torch.full((batch, H), _NEG_INF, device=device, dtype=dtype))
+        return MLSTMState(
+            torch.zeros(batch, H, self.dk, self.dv, device=device, dtype=dtype),
+            torch.zeros(batch, H, self.dk, device=device, dtype=dtype),
+            torch.full((batch, H), _NEG_INF, device=device, dtype=dtype),
+        )
 
     def step(self, state: MLSTMState, k: Tensor, v: Tensor, mask: Tensor | None = None) -> MLSTMState:
         """Consume new tokens k, v [b, h, n, d] in order. mask [b, n] bool (True = real token):
@@ -453,10 +509,18 @@ class KVpopMLSTM(BaseScorer):
         qq, u = self._split_read(self._project(k, v), state.C.dtype, extra)
         return self._head(mlstm_read(state, qq), u)
 
-    def step_and_read(self, state: MLSTMState, k_new: Tensor, v_new: Tensor, k_read: Tensor,
-                      v_read: Tensor, read_steps: Tensor | Sequence[int] | None = None,
-                      mask: Tensor | None = None, query_block: int = 512,
-                      extra: Tensor | None = None) -> tuple[MLSTMState, Tensor]:
+    def step_and_read(
+        self,
+        state: MLSTMState,
+        k_new: Tensor,
+        v_new: Tensor,
+        k_read: Tensor,
+        v_read: Tensor,
+        read_steps: Tensor | Sequence[int] | None = None,
+        mask: Tensor | None = None,
+        query_block: int = 512,
+        extra: Tensor | None = None,
+    ) -> tuple[MLSTMState, Tensor]:
         """Consume n new tokens and score m tokens, in one call (one fused projection).
 
         read_steps: None -> every read after all new tokens (decode: n = m = 1); else [m] or
@@ -467,8 +531,7 @@ class KVpopMLSTM(BaseScorer):
         self._check_kv(k_read, v_read)
         b, _, n, _ = k_new.shape
         self._check_state(state, b)
-        p = self._project(torch.cat([k_new, k_read.to(k_new.dtype)], 2),
-                          torch.cat([v_new, v_read.to(v_new.dtype)], 2))
+        p = self._project(torch.cat([k_new, k_read.to(k_new.dtype)], 2), torch.cat([v_new, v_read.to(v_new.dtype)], 2))
         dt = state.C.dtype
         kk, vv, ig, logf = self._split_new(p[:, :, :n], dt)
         qq, u = self._split_read(p[:, :, n:], dt, extra)
@@ -493,6 +556,8 @@ class KVpopMLSTM(BaseScorer):
         return state, self._head(h, u)
 
     def extra_repr(self) -> str:
-        return (f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dk={self.dk}, dv={self.dv}, "
-                f"hidden={self.hidden}, input_norm={self.input_norm}, h_norm={self.h_norm}, "
-                f"forget_gate={self.forget_gate!r}")
+        return (
+            f"kv_heads={self.kv_heads}, head_dim={self.head_dim}, dk={self.dk}, dv={self.dv}, "
+            f"hidden={self.hidden}, input_norm={self.input_norm}, h_norm={self.h_norm}, "
+            f"forget_gate={self.forget_gate!r}"
+        )

@@ -28,8 +28,6 @@ MERGED_MARKER = "kvpop-merged.json"  # written last: a merged folder without it 
 MERGED_SCORER = "kvpop/scorer.safetensors"
 
 
-
-
 def _hash_file(h, f: Path) -> None:
     h.update(f"{f.name}\0{f.stat().st_size}\0".encode())
     with open(f, "rb") as fh:
@@ -67,7 +65,6 @@ def save_merged_model(base: str | os.PathLike, bundle: str | os.PathLike, out: s
     raises :class:`AdapterMismatchError` before anything is written.
     """
     from transformers import AutoTokenizer
-
 
     base, bundle = Path(base), Path(bundle)
     header = check_adapter_bundle(bundle)
@@ -135,8 +132,11 @@ def merged_model_folder(base: str | os.PathLike, bundle: str | os.PathLike, prog
         if _is_merged(out):  # another process merged it while this one waited
             return out
         if progress:
-            print(f"kvpop: merging the LoRA of {bundle} into {base.name} (one time only) -> {out}",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"kvpop: merging the LoRA of {bundle} into {base.name} (one time only) -> {out}",
+                file=sys.stderr,
+                flush=True,
+            )
         start = time.perf_counter()
         with _progress_bars(progress):
             save_merged_model(base, bundle, out)

@@ -110,10 +110,17 @@ class PageLayout:
         stride): a typed view ``[num_pages, *shape]`` into the pool's own memory."""
         r = self.regions[name]
         size = pool.element_size()
-        if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] < self.page_bytes or pool.stride(1) != 1 \
-                or size != 1:  # fmt: skip
-            raise ValueError(f"pool must be [num_pages, >= {self.page_bytes}] uint8 with contiguous pages, "
-                             f"got {tuple(pool.shape)} {pool.dtype} stride {pool.stride()}")  # fmt: skip
+        if (
+            pool.dtype != torch.uint8
+            or pool.dim() != 2
+            or pool.shape[1] < self.page_bytes
+            or pool.stride(1) != 1
+            or size != 1
+        ):
+            raise ValueError(
+                f"pool must be [num_pages, >= {self.page_bytes}] uint8 with contiguous pages, "
+                f"got {tuple(pool.shape)} {pool.dtype} stride {pool.stride()}"
+            )
         return pool[:, r.offset : r.offset + r.nbytes].view(r.dtype).view(pool.shape[0], *r.shape)
 
     def fresh(self, layer: KVpopLayer, rows: int, device) -> LayerState:
@@ -251,18 +258,28 @@ def plan_step(requests: Sequence[Request], budget: int, chunk: int, device="cpu"
             b = min(end, (a // chunk + 1) * chunk)
             pieces.append((r.start + a - r.seen, r.start + b - r.seen))
             a = b
-        groups.append(Group(False, torch.tensor([r.page], device=device), torch.tensor([r.seen], device=device),
-                            None, tuple(pieces), r.seen == 0))  # fmt: skip
+        groups.append(
+            Group(
+                False,
+                torch.tensor([r.page], device=device),
+                torch.tensor([r.seen], device=device),
+                None,
+                tuple(pieces),
+                r.seen == 0,
+            )
+        )
     for rows in decode.values():
         if rows:
-            groups.append(Group(
-                True,
-                torch.tensor([r.page for r in rows], device=device),
-                torch.tensor([r.seen for r in rows], device=device),
-                torch.tensor([r.start for r in rows], device=device),
-                (),
-                False,
-            ))  # fmt: skip
+            groups.append(
+                Group(
+                    True,
+                    torch.tensor([r.page for r in rows], device=device),
+                    torch.tensor([r.seen for r in rows], device=device),
+                    torch.tensor([r.start for r in rows], device=device),
+                    (),
+                    False,
+                )
+            )
     return groups
 
 

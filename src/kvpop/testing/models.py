@@ -38,8 +38,13 @@ CHAT_TEMPLATE = (
 def _config_class(arch: str):
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-               "gemma3": Gemma3TextConfig}  # fmt: skip
+    classes = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "mistral": MistralConfig,
+        "gemma3": Gemma3TextConfig,
+    }
     if arch not in classes:
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS + HYBRID_ARCHS}")
     return classes[arch]
@@ -87,9 +92,11 @@ def tiny_config(
         kwargs["use_sliding_window"] = False
         kwargs["sliding_window"] = None
     if arch == "gemma3":
-        kwargs.update(sliding_window=8, query_pre_attn_scalar=head_dim,
-                      layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
-                                   for i in range(num_hidden_layers)])  # fmt: skip
+        kwargs.update(
+            sliding_window=8,
+            query_pre_attn_scalar=head_dim,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_hidden_layers)],
+        )
     kwargs.update(overrides)
     attn = kwargs.pop("attn_implementation", None)
     config = cls(**kwargs)
@@ -98,9 +105,7 @@ def tiny_config(
     return config
 
 
-def tiny_model(
-    arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides: Any
-):
+def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides: Any):
     """A randomly initialised tiny causal LM of ``arch`` (seeded, eval mode, on CPU)."""
     from transformers import AutoModelForCausalLM
 
@@ -135,9 +140,17 @@ def random_learned_policy(model, kind: str = "mlstm", extra: bool = False, seed:
     from ..scorers import ScorerConfig, build_scorer
 
     text = model.config
-    cfg = ScorerConfig(kind=kind, num_layers=len(attention_shape(text).bounded), kv_heads=text.num_key_value_heads,
-                       head_dim=text.head_dim, seed=seed, position_free=extra,
-                       observed=(None, 4, 1) if extra else (), tilt=extra, cross_heads=cross_heads)
+    cfg = ScorerConfig(
+        kind=kind,
+        num_layers=len(attention_shape(text).bounded),
+        kv_heads=text.num_key_value_heads,
+        head_dim=text.head_dim,
+        seed=seed,
+        position_free=extra,
+        observed=(None, 4, 1) if extra else (),
+        tilt=extra,
+        cross_heads=cross_heads,
+    )
     scorer = build_scorer(cfg)
     if extra:
         scorer.set_rope(RopeSpec.from_config(text))

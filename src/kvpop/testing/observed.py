@@ -15,7 +15,11 @@ __all__ = ["observed_attention_reference", "observed_sums_reference"]
 
 @torch.no_grad()
 def observed_attention_reference(
-    query: Tensor, key: Tensor, window: int, sinks: int, obs_windows: Sequence[int | None] = (None,),
+    query: Tensor,
+    key: Tensor,
+    window: int,
+    sinks: int,
+    obs_windows: Sequence[int | None] = (None,),
     scale: float | None = None,
 ) -> Tensor:
     """The definition, one query at a time (float64; for tests)."""

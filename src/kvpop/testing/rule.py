@@ -16,9 +16,7 @@ from ..teacher import TeacherLabels, finish_labels, label_steps, validate_labels
 __all__ = ["decide_chunk_pairwise", "decide_chunk_sequential", "reference_rule", "teacher_labels_bruteforce"]
 
 
-def reference_rule(
-    priorities: list[float], sinks: int, window: int, k: int
-) -> tuple[list[set[int]], list[int]]:
+def reference_rule(priorities: list[float], sinks: int, window: int, k: int) -> tuple[list[set[int]], list[int]]:
     """Plain-Python token-by-token rule for one head (the oracle of every rule kernel).
 
     ``priorities[t]`` is the frozen priority of token ``t``. Returns, for each step ``t``, the
@@ -98,8 +96,9 @@ def decide_chunk_sequential(lr_prio, lr_idx, ex_prio, ex_idx, window):
     return leave[..., :k], leave[..., k:]
 
 
-def teacher_labels_bruteforce(target: Tensor, window: int, budget_k: int, sinks: int, lam: float = 0.0,
-                              **steps) -> TeacherLabels:
+def teacher_labels_bruteforce(
+    target: Tensor, window: int, budget_k: int, sinks: int, lam: float = 0.0, **steps
+) -> TeacherLabels:
     """Literal O(S * k) simulation of the teacher's rule: :func:`kvpop.teacher.teacher_labels`'s outputs
     (``steps``: its ``query_steps`` and ``min_future``)."""
     prio, window, budget_k, sinks = validate_labels_args(target, window, budget_k, sinks, lam)

@@ -22,9 +22,35 @@ HELD_OUT = ("paul_graham", "python_code")
 TRAIN_CORPORA = ("shakespeare", "wikipedia", "python_docs", "human_eval", "perl_docs", "git_docs")
 
 # Fields that change what a checkpoint means: a resumed run must agree on them.
-RESUME_KEYS = ("scorer", "seq_len", "budgets", "budget_range", "windows_per_octave", "windows_per_sequence", "window", "window_fraction", "sinks", "lam", "loss", "weighting",
-               "lr", "hidden", "dk", "dv", "position_free", "observed", "tilt", "cross_heads", "corpora", "docs_from", "seed",
-               "data_seed", "steps", "batch_size", "cycle")
+RESUME_KEYS = (
+    "scorer",
+    "seq_len",
+    "budgets",
+    "budget_range",
+    "windows_per_octave",
+    "windows_per_sequence",
+    "window",
+    "window_fraction",
+    "sinks",
+    "lam",
+    "loss",
+    "weighting",
+    "lr",
+    "hidden",
+    "dk",
+    "dv",
+    "position_free",
+    "observed",
+    "tilt",
+    "cross_heads",
+    "corpora",
+    "docs_from",
+    "seed",
+    "data_seed",
+    "steps",
+    "batch_size",
+    "cycle",
+)
 
 
 @dataclass
@@ -106,8 +132,9 @@ class TrainConfig(RunSettings):
         (:class:`kvpop.config.TrainedSettings`): what its checkpoint records, so caches resolve the same."""
         fraction = None if self.window is not None else self.window_fraction
         lo_hi = self.budget_range or ((min(self.budgets), max(self.budgets)) if self.budgets else None)
-        return TrainedSettings(budget_range=lo_hi, window_fraction=fraction, window=self.window, lam=self.lam,
-                               lam_scale=self.lam_scale)
+        return TrainedSettings(
+            budget_range=lo_hi, window_fraction=fraction, window=self.window, lam=self.lam, lam_scale=self.lam_scale
+        )
 
     def eviction(self, budget: int) -> EvictionConfig:
         return resolve_eviction(budget, sinks=self.sinks, trained=self.rule(), warn=False)
@@ -213,14 +240,12 @@ class TrainConfig(RunSettings):
                 raise ValueError(f"budget_range must be (lo, hi) with 1 <= lo <= hi, got {self.budget_range}")
             if self.windows_per_octave < 1:
                 raise ValueError(f"windows_per_octave must be >= 1, got {self.windows_per_octave}")
-        for b in (self.budget_range or self.budgets):
+        for b in self.budget_range or self.budgets:
             ev = self.eviction(b)  # raises for a budget below sinks + window
             if ev.k < 1:
                 raise ValueError(f"budget {b} leaves no long-range slot (sinks {ev.sinks} + window {ev.window})")
             if self.seq_len < ev.sinks + 2 * ev.window + 2:
-                raise ValueError(
-                    f"seq_len={self.seq_len} too short for window={ev.window}: need > sinks + 2 * window"
-                )
+                raise ValueError(f"seq_len={self.seq_len} too short for window={ev.window}: need > sinks + 2 * window")
         for name in ("steps", "batch_size", "val_every", "ckpt_every", "seq_len", "val_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -232,7 +257,9 @@ class TrainConfig(RunSettings):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+        if not (
+            isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0
+        ):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
         for name in ("hidden", "dk", "dv"):
             if getattr(self, name) < 1:

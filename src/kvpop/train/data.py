@@ -49,26 +49,33 @@ class Example:
 
     def float(self, device="cpu") -> Example:
         return Example(
-            self.keys.to(device, torch.float32), self.values.to(device, torch.float32),
+            self.keys.to(device, torch.float32),
+            self.values.to(device, torch.float32),
             {w: t.to(device, torch.float32) for w, t in self.targets.items()},
-            {w: o.to(device, torch.float32) for w, o in self.observed.items()}, self.corpora,
-        )  # fmt: skip
+            {w: o.to(device, torch.float32) for w, o in self.observed.items()},
+            self.corpora,
+        )
 
     def only(self, windows, observed: bool = True) -> Example:
         """The same capture with the targets (and statistics) of ``windows`` only (those it has)."""
         keep = [w for w in windows if w in self.targets]
-        return Example(self.keys, self.values, {w: self.targets[w] for w in keep},
-                       {w: self.observed[w] for w in keep if w in self.observed} if observed else {},
-                       self.corpora)  # fmt: skip
+        return Example(
+            self.keys,
+            self.values,
+            {w: self.targets[w] for w in keep},
+            {w: self.observed[w] for w in keep if w in self.observed} if observed else {},
+            self.corpora,
+        )
 
     @staticmethod
     def cat(parts: list[Example]) -> Example:
         return Example(
-            torch.cat([p.keys for p in parts], 1), torch.cat([p.values for p in parts], 1),
+            torch.cat([p.keys for p in parts], 1),
+            torch.cat([p.values for p in parts], 1),
             {w: torch.cat([p.targets[w] for p in parts], 1) for w in parts[0].targets},
             {w: torch.cat([p.observed[w] for p in parts], 1) for w in parts[0].observed},
             [c for p in parts for c in p.corpora],
-        )  # fmt: skip
+        )
 
 
 @torch.no_grad()
@@ -76,9 +83,14 @@ def capture_example(model, ids: Tensor, windows, sinks: int, obs_windows, corpor
     """One no-grad forward of ``ids [b, S]`` recording what training needs (``kvpop.capture.collect``)."""
     windows = sorted({int(w) for w in windows})
     caps = collect(
-        model, ids.to(next(model.parameters()).device), window=windows[0], extra_windows=windows[1:],
-        observed_windows=windows if obs_windows else (), sinks=sinks, obs_windows=tuple(obs_windows) or (None,),
-    )  # fmt: skip
+        model,
+        ids.to(next(model.parameters()).device),
+        window=windows[0],
+        extra_windows=windows[1:],
+        observed_windows=windows if obs_windows else (),
+        sinks=sinks,
+        obs_windows=tuple(obs_windows) or (None,),
+    )
     return Example(
         keys=torch.stack([c.keys for c in caps]),
         values=torch.stack([c.values for c in caps]),
@@ -94,8 +106,9 @@ class SequenceSource:
     Access is sequential (each rank asks for increasing ``j``); asking for an earlier ``j`` restarts.
     """
 
-    def __init__(self, cfg: TrainConfig, tokenizer, split: str = "train", seed: int | None = None,
-                 seq_len: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, cfg: TrainConfig, tokenizer, split: str = "train", seed: int | None = None, seq_len: int | None = None
+    ) -> None:
         self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
         # kvpop adapt's config has no separate data seed: its stream follows its seed
         self.seed = getattr(cfg, "stream_seed", cfg.seed) if seed is None else seed
@@ -111,8 +124,7 @@ class SequenceSource:
             epoch = 0
             while True:
                 n = 0
-                for ids in data.iter_packed(self.tokenizer, docs, self.seq_len, add_bos=False,
-                                            seed=self.seed + epoch):  # fmt: skip
+                for ids in data.iter_packed(self.tokenizer, docs, self.seq_len, add_bos=False, seed=self.seed + epoch):
                     n += 1
                     yield "user", ids
                 if n == 0:
@@ -145,8 +157,13 @@ class CaptureStore:
         self.meta = {
             "format": STORE_FORMAT,
             "fingerprint": model_fingerprint(model),
-            "data": {"corpora": list(cfg.corpora) if not cfg.docs_from else None, "docs_from": cfg.docs_from,
-                     "split": split, "seed": cfg.stream_seed, "seq_len": cfg.seq_len},
+            "data": {
+                "corpora": list(cfg.corpora) if not cfg.docs_from else None,
+                "docs_from": cfg.docs_from,
+                "split": split,
+                "seed": cfg.stream_seed,
+                "seq_len": cfg.seq_len,
+            },
             "sinks": cfg.sinks,
             "obs_windows": list(cfg.observed),
             "windows": list(cfg.capture_windows()),
@@ -158,12 +175,16 @@ class CaptureStore:
             have.setdefault("windows_per_sequence", 0)
             keys = ["format", "fingerprint", "data", "sinks"] + (["obs_windows"] if cfg.observed else [])
             if have["windows_per_sequence"] and have["windows"] != self.meta["windows"]:
-                raise ValueError(f"capture store {self.folder} holds {have['windows_per_sequence']} windows per "
-                                 f"sequence of the grid {have['windows']}; this run's grid is {self.meta['windows']}")  # fmt: skip
+                raise ValueError(
+                    f"capture store {self.folder} holds {have['windows_per_sequence']} windows per "
+                    f"sequence of the grid {have['windows']}; this run's grid is {self.meta['windows']}"
+                )
             if have["windows_per_sequence"] != cfg.windows_per_sequence:
-                raise ValueError(f"capture store {self.folder} holds {have['windows_per_sequence'] or 'all'} windows "
-                                 f"per sequence; this run asks for {cfg.windows_per_sequence or 'all'} "
-                                 "(--windows-per-sequence)")  # fmt: skip
+                raise ValueError(
+                    f"capture store {self.folder} holds {have['windows_per_sequence'] or 'all'} windows "
+                    f"per sequence; this run asks for {cfg.windows_per_sequence or 'all'} "
+                    "(--windows-per-sequence)"
+                )
 
             def same(key: str) -> bool:  # a fingerprint field the store predates is not a mismatch
                 if key == "fingerprint":
@@ -178,8 +199,10 @@ class CaptureStore:
                     )
             missing = sorted(set(self.meta["windows"]) - set(have["windows"]))
             if missing:
-                raise ValueError(f"capture store {self.folder} has no targets for windows {missing} "
-                                 f"(it has {have['windows']}); use another --store folder")  # fmt: skip
+                raise ValueError(
+                    f"capture store {self.folder} has no targets for windows {missing} "
+                    f"(it has {have['windows']}); use another --store folder"
+                )
             self.meta["windows"] = have["windows"]
             self.meta["obs_windows"] = have["obs_windows"]
         else:
@@ -258,8 +281,9 @@ def example_for(j: int, source: SequenceSource, store: CaptureStore | None, mode
         return store.load(j, windows, observed=bool(cfg.observed))
     corpus, ids = source.get(j)
     obs = store.obs_windows if store is not None else cfg.observed  # a store stays uniform
-    ex = capture_example(model, ids.view(1, -1), store.sequence_windows(j) if store else windows, cfg.sinks, obs,
-                         [corpus])  # fmt: skip
+    ex = capture_example(
+        model, ids.view(1, -1), store.sequence_windows(j) if store else windows, cfg.sinks, obs, [corpus]
+    )
     if store is None:
         return ex.only(windows, observed=bool(cfg.observed))
     # as a later run (or this one, resumed) reads it back: a run over a store is the same run however

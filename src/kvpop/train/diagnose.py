@@ -56,15 +56,24 @@ def _rank_corr(noisy: list[torch.Tensor], true: list[torch.Tensor], window: int)
         S = b.shape[-1]
         for h in range(b.shape[1]):
             keep = torch.isfinite(b[0, h])
-            keep[S - 2 * window:] = False  # too few future queries to carry signal (as the loss)
+            keep[S - 2 * window :] = False  # too few future queries to carry signal (as the loss)
             if keep.sum() > 2:
                 rhos.append(spearman(a[0, h][keep], b[0, h][keep]))
     return sum(rhos) / max(1, len(rhos))
 
 
 @torch.no_grad()
-def noisy_oracle(model, tokenizer, cfg: TrainConfig, budget: int, sigmas, n_docs: int, seed: int = 0,
-                 progress: bool = True, scorers: dict[str, str] | None = None) -> dict:  # fmt: skip
+def noisy_oracle(
+    model,
+    tokenizer,
+    cfg: TrainConfig,
+    budget: int,
+    sigmas,
+    n_docs: int,
+    seed: int = 0,
+    progress: bool = True,
+    scorers: dict[str, str] | None = None,
+) -> dict:
     ev = cfg.eviction(budget)
     loaded = {name: load_scorer(path, model=model)[0] for name, path in (scorers or {}).items()}
     learned: dict[str, dict] = {name: {"sums": Sums(), "rank_correlation": [], "per_doc": []} for name in loaded}
@@ -88,10 +97,18 @@ def noisy_oracle(model, tokenizer, cfg: TrainConfig, budget: int, sigmas, n_docs
             true = list(ex.targets[ev.window])
             for name, sc in loaded.items():
                 o = ex.observed.get(ev.window) if sc.config.observed else None
-                scores = [sc.forward_layer(i, ex.keys[i], ex.values[i], ev.window, observed=None if o is None else o[i])
-                          for i in range(len(true))]  # fmt: skip
-                cache = make_cache(model, LearnedPolicy(sc, source=str(scorers[name])), budget=budget,
-                                   window=ev.window, sinks=ev.sinks, lam=ev.lam)  # fmt: skip
+                scores = [
+                    sc.forward_layer(i, ex.keys[i], ex.values[i], ev.window, observed=None if o is None else o[i])
+                    for i in range(len(true))
+                ]
+                cache = make_cache(
+                    model,
+                    LearnedPolicy(sc, source=str(scorers[name])),
+                    budget=budget,
+                    window=ev.window,
+                    sinks=ev.sinks,
+                    lam=ev.lam,
+                )
                 s = score_document(model, ids, dh, hidden_states(model, ids, cache), budget).lm
                 r = learned[name]
                 r["sums"] = r["sums"].add(s)
@@ -111,28 +128,41 @@ def noisy_oracle(model, tokenizer, cfg: TrainConfig, budget: int, sigmas, n_docs
             r["rank_correlation"].append(_rank_corr(noisy, true, ev.window))
             r["per_doc"].append(s.metrics()["retention"])
             if progress:
-                print(f"[noisy-oracle] doc {di} sigma {sigma}: retention {s.metrics()['retention']:.4f} "
-                      f"({time.perf_counter() - t0:.0f}s)", file=sys.stderr)  # fmt: skip
-    out = {"budget": budget, "window": ev.window, "sinks": ev.sinks, "docs": n_docs,
-           "streaming": streaming.metrics()["retention"], "streaming_per_doc": per_doc_stream, "sigmas": {}}  # fmt: skip
+                print(
+                    f"[noisy-oracle] doc {di} sigma {sigma}: retention {s.metrics()['retention']:.4f} "
+                    f"({time.perf_counter() - t0:.0f}s)",
+                    file=sys.stderr,
+                )
+    out = {
+        "budget": budget,
+        "window": ev.window,
+        "sinks": ev.sinks,
+        "docs": n_docs,
+        "streaming": streaming.metrics()["retention"],
+        "streaming_per_doc": per_doc_stream,
+        "sigmas": {},
+    }
     for sigma, r in rows.items():
         m = r["sums"].metrics()
         out["sigmas"][sigma] = {
-            "retention": m["retention"], "kl": m["kl"],
+            "retention": m["retention"],
+            "kl": m["kl"],
             "rank_correlation": sum(r["rank_correlation"]) / len(r["rank_correlation"]),
             "per_doc": r["per_doc"],
             "wins_vs_streaming": wins(r["per_doc"], per_doc_stream)["wins"],
-        }  # fmt: skip
+        }
     out["scorers"] = {}
     for name, r in learned.items():
         m = r["sums"].metrics()
         out["scorers"][name] = {
-            "path": str(scorers[name]), "retention": m["retention"], "kl": m["kl"],
+            "path": str(scorers[name]),
+            "retention": m["retention"],
+            "kl": m["kl"],
             "rank_correlation": sum(r["rank_correlation"]) / len(r["rank_correlation"]),
-            "per_doc": r["per_doc"], "wins_vs_streaming": wins(r["per_doc"], per_doc_stream)["wins"],
-        }  # fmt: skip
+            "per_doc": r["per_doc"],
+            "wins_vs_streaming": wins(r["per_doc"], per_doc_stream)["wins"],
+        }
     return out
-
 
 
 def plot_noisy_oracle(result: dict, path: Path, scorers: dict | None = None) -> None:
@@ -161,9 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--sigmas", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0, 2.0])
     p.add_argument("--model", default=None)
-    p.add_argument("--scorer", action="append", default=None, metavar="NAME=PATH",
-                   help="a learned scorer to place on the plot (repeatable; default: the shipped ones on the "
-                        "embedded model, none on another model; 'none' for none)")
+    p.add_argument(
+        "--scorer",
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="a learned scorer to place on the plot (repeatable; default: the shipped ones on the "
+        "embedded model, none on another model; 'none' for none)",
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.scorer is None:
@@ -178,8 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         missing = [v for v in scorers.values() if not Path(v).is_file()]
         if missing:
             p.error(f"--scorer: no scorer checkpoint at {missing[0]}")
-    cfg = TrainConfig(budgets=(args.budget,), window_fraction=args.window_fraction, seq_len=args.seq_len,
-                      model=args.model)  # fmt: skip
+    cfg = TrainConfig(
+        budgets=(args.budget,), window_fraction=args.window_fraction, seq_len=args.seq_len, model=args.model
+    )
     cfg.validate()
     model, tok = models.load_model(args.model, progress=False)
     t0 = time.perf_counter()
@@ -188,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write(out / "noisy_oracle.json", lambda tmp: Path(tmp).write_text(json.dumps(res, indent=1)))
-    plot_noisy_oracle(res, out / "noisy_oracle.png",
-                      {n: (v["rank_correlation"], v["retention"]) for n, v in res["scorers"].items()})
+    plot_noisy_oracle(
+        res, out / "noisy_oracle.png", {n: (v["rank_correlation"], v["retention"]) for n, v in res["scorers"].items()}
+    )
     print(json.dumps({k: v for k, v in res.items() if k != "streaming_per_doc"}, indent=1, default=str))
     return 0

@@ -64,8 +64,18 @@ def decision_weights(targets: Tensor, lab: Labels, layer: int, weighting: str) -
     return w / mean.clamp(min=1e-12)
 
 
-def layer_loss(scores: Tensor, targets: Tensor, lab: Labels, layer: int, *, loss: str, lam: float, tau: float,
-               weighting: str, window: int) -> Tensor:  # fmt: skip
+def layer_loss(
+    scores: Tensor,
+    targets: Tensor,
+    lab: Labels,
+    layer: int,
+    *,
+    loss: str,
+    lam: float,
+    tau: float,
+    weighting: str,
+    window: int,
+) -> Tensor:
     if loss == "mse":
         tgt = targets[layer]
         m = loss_mask(tgt.shape[-1], window, device=tgt.device).expand_as(tgt) & torch.isfinite(tgt)
@@ -112,8 +122,15 @@ def baseline_margins(name: str, ex_keys: Tensor, lab: Labels, layer: int) -> Ten
 
 
 @torch.no_grad()
-def decision_metrics(score_layers, targets: Tensor, lab: Labels, window: int, lam: float, keys: Tensor | None = None,
-                     weighting: str = "mass") -> dict:  # fmt: skip
+def decision_metrics(
+    score_layers,
+    targets: Tensor,
+    lab: Labels,
+    window: int,
+    lam: float,
+    keys: Tensor | None = None,
+    weighting: str = "mass",
+) -> dict:
     """Accuracy of the scorer's keep/evict calls against the teacher's, next to trivial deciders.
 
     ``score_layers(layer) -> [b, h, S]``. Reports the plain accuracy, the attention-mass-weighted

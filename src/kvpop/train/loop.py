@@ -47,10 +47,19 @@ class AllLayers(torch.nn.Module):
 def build_run_scorer(cfg: TrainConfig, model) -> ScorerStack:
     shape = attention_shape(model.config)
     scfg = ScorerConfig(
-        kind=cfg.scorer, num_layers=len(shape.bounded), kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-        hidden=cfg.hidden, dk=cfg.dk, dv=cfg.dv, seed=cfg.seed, position_free=cfg.position_free,
-        observed=cfg.observed, tilt=cfg.tilt, cross_heads=cfg.cross_heads,
-    )  # fmt: skip
+        kind=cfg.scorer,
+        num_layers=len(shape.bounded),
+        kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        hidden=cfg.hidden,
+        dk=cfg.dk,
+        dv=cfg.dv,
+        seed=cfg.seed,
+        position_free=cfg.position_free,
+        observed=cfg.observed,
+        tilt=cfg.tilt,
+        cross_heads=cfg.cross_heads,
+    )
     scorer = build_scorer(scfg)
     if cfg.position_free:
         scorer.set_rope(RopeSpec.from_config(model.config))
@@ -67,8 +76,16 @@ class ScorerTraining:
     """The program :class:`kvpop.runs.Run` drives: one step of the boundary (or MSE) loss on a batch of
     captured sequences, validation under the real cache, the scorer's checkpoints."""
 
-    def __init__(self, run: Run, cfg: TrainConfig, model, tokenizer, source: SequenceSource,
-                 store: CaptureStore | None, blob: dict | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run: Run,
+        cfg: TrainConfig,
+        model,
+        tokenizer,
+        source: SequenceSource,
+        store: CaptureStore | None,
+        blob: dict | None,
+    ) -> None:
         self.run, self.cfg, self.model, self.source, self.store = run, cfg, model, source, store
         self.device = torch.device(cfg.device)
         self.per_rank = cfg.batch_size // run.world
@@ -87,8 +104,10 @@ class ScorerTraining:
         if run.rank == 0 and cfg.val_docs:
             self.probe = RetentionProbe(model, tokenizer, cfg, cache_dir=cfg.val_cache)
             vsrc = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED, seq_len=cfg.val_seq_len)
-            self.val_examples = [capture_example(model, ids.view(1, -1), cfg.windows(), cfg.sinks, cfg.observed, [c])
-                                 for c, ids in (vsrc.get(j) for j in range(min(2, cfg.val_docs)))]  # fmt: skip
+            self.val_examples = [
+                capture_example(model, ids.view(1, -1), cfg.windows(), cfg.sinks, cfg.observed, [c])
+                for c, ids in (vsrc.get(j) for j in range(min(2, cfg.val_docs)))
+            ]
         self.validates = self.probe is not None
         self.t_start, self.tokens, self.t_capture = time.perf_counter(), 0, 0.0
 
@@ -109,18 +128,26 @@ class ScorerTraining:
         scorer.train()
         self.opt.zero_grad(set_to_none=True)
         scores = self.net(ex.keys, ex.values, w, ex.observed.get(w))
-        loss = torch.stack([
-            layer_loss(sc, ex.targets[w], lab, i, loss=cfg.loss, lam=ev.lam, tau=cfg.tau, weighting=cfg.weighting,
-                       window=w)
-            for i, sc in enumerate(scores)
-        ]).mean()  # fmt: skip
+        loss = torch.stack(
+            [
+                layer_loss(
+                    sc, ex.targets[w], lab, i, loss=cfg.loss, lam=ev.lam, tau=cfg.tau, weighting=cfg.weighting, window=w
+                )
+                for i, sc in enumerate(scores)
+            ]
+        ).mean()
         loss.backward()  # DDP averages gradients over ranks here
         torch.nn.utils.clip_grad_norm_(scorer.parameters(), 1.0)
         self.opt.step()
         self.sched.step()
         self.tokens += cfg.batch_size * cfg.seq_len
-        return {"step": step + 1, "loss": loss.item(), "lr": self.sched.get_last_lr()[0], "budget": budget,
-                "corpora": ex.corpora}  # fmt: skip
+        return {
+            "step": step + 1,
+            "loss": loss.item(),
+            "lr": self.sched.get_last_lr()[0],
+            "budget": budget,
+            "corpora": ex.corpora,
+        }
 
     def synced(self) -> list[torch.Tensor]:
         return list(self.scorer.parameters())
@@ -131,7 +158,9 @@ class ScorerTraining:
     def describe(self, q: dict) -> str:
         return "validation retention " + ", ".join(
             f"B={b} {q[str(b)]['retention']:.4f} (streaming {q[str(b)]['streaming']:.4f}, "
-            f"wins {q[str(b)]['wins_vs_streaming']}/{q[str(b)]['docs']})" for b in self.cfg.validation_budgets())
+            f"wins {q[str(b)]['wins_vs_streaming']}/{q[str(b)]['docs']})"
+            for b in self.cfg.validation_budgets()
+        )
 
     def save_best(self, step: int, q: dict) -> None:
         save_scorer(self.scorer, self.run.out / "best.safetensors", _meta(self.cfg, step, self.run.fingerprint, q))
@@ -144,12 +173,19 @@ class ScorerTraining:
         written before either replaces its previous version, so a failed write (a full disk) keeps the
         previous checkpoint whole."""
         run = self.run
-        blob = run.state(scorer=self.scorer.state_dict(), optimizer=self.opt.state_dict(),
-                         scheduler=self.sched.state_dict())  # fmt: skip
+        blob = run.state(
+            scorer=self.scorer.state_dict(), optimizer=self.opt.state_dict(), scheduler=self.sched.state_dict()
+        )
         try:
-            atomic_writes([(run.state_file, lambda tmp: write_state(tmp, blob)),
-                           (run.out / "scorer.safetensors",
-                            scorer_writer(self.scorer, _meta(self.cfg, step, run.fingerprint)))])  # fmt: skip
+            atomic_writes(
+                [
+                    (run.state_file, lambda tmp: write_state(tmp, blob)),
+                    (
+                        run.out / "scorer.safetensors",
+                        scorer_writer(self.scorer, _meta(self.cfg, step, run.fingerprint)),
+                    ),
+                ]
+            )
         except OSError as exc:
             raise run.write_failed(exc, step, "the previous checkpoint there is whole") from exc
 
@@ -163,8 +199,10 @@ def train(cfg: TrainConfig, model=None, tokenizer=None) -> dict:
     if model is None:
         model, tokenizer = models.load_model(cfg.model, progress=False)
     model = model.to(torch.device(cfg.device)).eval().requires_grad_(False)
-    run.check_model(model_fingerprint(model),
-                    None if blob is None else blob.get("fingerprint") or _checkpoint_fingerprint(run.out) or {})
+    run.check_model(
+        model_fingerprint(model),
+        None if blob is None else blob.get("fingerprint") or _checkpoint_fingerprint(run.out) or {},
+    )
     store = CaptureStore(cfg.store, cfg, model) if cfg.store else None
     source = SequenceSource(cfg, tokenizer, "train")
     if cfg.capture_only:
@@ -207,22 +245,34 @@ def _decisions(scorer: ScorerStack, examples: list[Example], cfg: TrainConfig) -
 
 def _capture_only(cfg, model, source, store, rank, world, per_rank) -> dict:
     n = cfg.steps * cfg.batch_size
-    mine = [j for s in range(cfg.steps) for j in range(s * cfg.batch_size + rank * per_rank,
-                                                        s * cfg.batch_size + (rank + 1) * per_rank)]  # fmt: skip
+    mine = [
+        j
+        for s in range(cfg.steps)
+        for j in range(s * cfg.batch_size + rank * per_rank, s * cfg.batch_size + (rank + 1) * per_rank)
+    ]
     todo = [j for j in mine if not store.has(j)]
-    bar = tqdm(total=len(mine), initial=len(mine) - len(todo), disable=not (cfg.progress and rank == 0),
-               desc=f"capture (rank {rank})")  # fmt: skip
+    bar = tqdm(
+        total=len(mine),
+        initial=len(mine) - len(todo),
+        disable=not (cfg.progress and rank == 0),
+        desc=f"capture (rank {rank})",
+    )
     t0 = time.perf_counter()
     for j in todo:
         corpus, ids = source.get(j)
-        store.save(j, capture_example(model, ids.view(1, -1), store.sequence_windows(j), cfg.sinks, cfg.observed,
-                                      [corpus]))  # fmt: skip
+        store.save(
+            j, capture_example(model, ids.view(1, -1), store.sequence_windows(j), cfg.sinks, cfg.observed, [corpus])
+        )
         bar.update(1)
     bar.close()
     if world > 1:
         dist.barrier()
-    return {"captured": len(todo), "sequences": n, "seconds_this_process": time.perf_counter() - t0,
-            "store": str(store.folder)}  # fmt: skip
+    return {
+        "captured": len(todo),
+        "sequences": n,
+        "seconds_this_process": time.perf_counter() - t0,
+        "store": str(store.folder),
+    }
 
 
 def _meta(cfg, step, fingerprint, quality=None) -> dict:

@@ -56,8 +56,9 @@ class RetentionProbe:
     positions). The selection number is the mean over budgets of both tasks' retention.
     """
 
-    def __init__(self, model, tokenizer, cfg: TrainConfig, n_docs: int | None = None,
-                 cache_dir: str | os.PathLike | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, model, tokenizer, cfg: TrainConfig, n_docs: int | None = None, cache_dir: str | os.PathLike | None = None
+    ) -> None:
         self.model, self.cfg = model, cfg
         docs = validation_windows(tokenizer, cfg, cfg.val_docs if n_docs is None else n_docs)
         self.dense = DenseOutputs()
@@ -87,13 +88,26 @@ class RetentionProbe:
 
     def _run(self, policy, budget: int) -> dict:
         cfg = self.cfg
-        label = f"validation {'StreamingLLM' if policy == 'streaming' else 'scorer'} B={budget}" if cfg.progress else None
+        label = (
+            f"validation {'StreamingLLM' if policy == 'streaming' else 'scorer'} B={budget}" if cfg.progress else None
+        )
         rule = cfg.rule()
-        s = self.probe.score(self.model, policy, budget, window=rule.window_at(budget, cfg.sinks), sinks=cfg.sinks,
-                             lam=rule.lam_at(budget), progress=label)  # fmt: skip
+        s = self.probe.score(
+            self.model,
+            policy,
+            budget,
+            window=rule.window_at(budget, cfg.sinks),
+            sinks=cfg.sinks,
+            lam=rule.lam_at(budget),
+            progress=label,
+        )
         m = s.lm().metrics()
-        return {"retention": m["retention"], "kl": m["kl"], "continuation": s.continuation().retention,
-                "per_doc": s.per_doc_rows("corpus")}  # fmt: skip
+        return {
+            "retention": m["retention"],
+            "kl": m["kl"],
+            "continuation": s.continuation().retention,
+            "per_doc": s.per_doc_rows("corpus"),
+        }
 
     def streaming(self, budget: int) -> dict:
         if budget not in self._streaming:
@@ -120,12 +134,15 @@ class RetentionProbe:
                 s = self.streaming(b)
                 mine, theirs = r["per_doc"], s["per_doc"]
                 out[str(b)] = {
-                    **r, "streaming": s["retention"], "streaming_continuation": s["continuation"],
+                    **r,
+                    "streaming": s["retention"],
+                    "streaming_continuation": s["continuation"],
                     "wins_vs_streaming": wins([a["retention"] for a in mine], [c["retention"] for c in theirs])["wins"],
-                    "continuation_wins_vs_streaming": wins([a["continuation"] for a in mine],
-                                                           [c["continuation"] for c in theirs])["wins"],
+                    "continuation_wins_vs_streaming": wins(
+                        [a["continuation"] for a in mine], [c["continuation"] for c in theirs]
+                    )["wins"],
                     "docs": len(self.docs),
-                }  # fmt: skip
+                }
         finally:
             scorer.train(was_training)
         both = [(out[str(b)]["retention"] + out[str(b)]["continuation"]) / 2 for b in budgets]

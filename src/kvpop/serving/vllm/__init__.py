@@ -101,8 +101,12 @@ def check_engine(vllm_config, settings: ServeSettings) -> None:
     if cache_dtype not in ("auto", None):
         problems.append(f"kv_cache_dtype={cache_dtype!r} (kvpop keeps keys and values in the model dtype)")
     par = vllm_config.parallel_config
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size",
-                 "prefill_context_parallel_size"):  # fmt: skip
+    for name in (
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "decode_context_parallel_size",
+        "prefill_context_parallel_size",
+    ):
         if getattr(par, name, 1) > 1:
             problems.append(f"{name}={getattr(par, name)} (kvpop runs on one worker)")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:

@@ -67,8 +67,9 @@ class Runtime:
     def layout(self, layer_idx: int, kv_heads: int, head_dim: int, value_dim: int) -> PageLayout:
         lay = self.layouts.get(layer_idx)
         if lay is None:
-            lay = self.layouts[layer_idx] = PageLayout(self.cache.layers[layer_idx], kv_heads, head_dim, value_dim,
-                                                       self.dtype)  # fmt: skip
+            lay = self.layouts[layer_idx] = PageLayout(
+                self.cache.layers[layer_idx], kv_heads, head_dim, value_dim, self.dtype
+            )
         return lay
 
 
@@ -103,8 +104,9 @@ class KVpopMetadataBuilder(AttentionMetadataBuilder[KVpopMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.eviction = runtime(vllm_config).eviction
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> KVpopMetadata:  # fmt: skip
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> KVpopMetadata:
         m = common_attn_metadata
         n = m.num_reqs
         starts = m.query_start_loc_cpu[: n + 1].tolist()
@@ -178,8 +180,17 @@ class KVpopAttentionImpl(AttentionImpl[KVpopMetadata]):
         # the layer's cache is [num_blocks, 1, 1, page] in the model dtype: one page per block
         pool = kv_cache.view(torch.uint8)[:, 0, 0, :]
         t = attn_metadata.num_actual_tokens
-        step_layer(self.runtime.cache.layers[idx], layout, pool, attn_metadata.groups,
-                   query[:t], key[:t], value[:t], output[:t], self.scale)  # fmt: skip
+        step_layer(
+            self.runtime.cache.layers[idx],
+            layout,
+            pool,
+            attn_metadata.groups,
+            query[:t],
+            key[:t],
+            value[:t],
+            output[:t],
+            self.scale,
+        )
         return output
 
 

@@ -34,8 +34,20 @@ from pathlib import Path
 from ...policies import DEFAULT_POLICY
 from .settings import KEY, ServeSettings, SettingsError
 
-_OPTIONS = ("budget", "policy", "k", "compression", "reference_length", "window", "sinks", "lam", "prefill_chunk",
-            "scorer", "seed", "compile")  # fmt: skip
+_OPTIONS = (
+    "budget",
+    "policy",
+    "k",
+    "compression",
+    "reference_length",
+    "window",
+    "sinks",
+    "lam",
+    "prefill_chunk",
+    "scorer",
+    "seed",
+    "compile",
+)
 DEFAULT_HOST = "127.0.0.1"  # this machine only: a server open to the network is the user's explicit choice
 DEFAULT_PORT = 8000  # vLLM's own default
 
@@ -68,13 +80,19 @@ class ServePlan:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="kvpop serve", usage="kvpop serve [MODEL] [options] [vLLM serve options]", allow_abbrev=False,
+        prog="kvpop serve",
+        usage="kvpop serve [MODEL] [options] [vLLM serve options]",
+        allow_abbrev=False,
         description=__doc__.split("\n\n")[0] + " MODEL (first, as in `vllm serve MODEL`): a local model folder, a "
         ".gguf file or an embedded model's name; without it the embedded SmolLM2-135M-Instruct with the shipped "
         "adapter merged in, as `kvpop generate` runs it.",
-        epilog="Every other option goes to vLLM's serve command (`vllm serve --help`).")  # fmt: skip
-    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}: this machine "
-                                                        "only; 0.0.0.0 for every interface)")  # fmt: skip
+        epilog="Every other option goes to vLLM's serve command (`vllm serve --help`).",
+    )
+    p.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to listen on (default {DEFAULT_HOST}: this machine only; 0.0.0.0 for every interface)",
+    )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--budget", type=int, default=None, help="slots per KV head and layer (B)")
     p.add_argument(
@@ -192,14 +210,24 @@ def settings_from_args(args: argparse.Namespace, policy: str | None = None, scor
     return raw
 
 
-def vllm_argv(model: str | os.PathLike, args: argparse.Namespace, rest: list[str], settings: dict,
-              name: str | None = None) -> list[str]:  # fmt: skip
+def vllm_argv(
+    model: str | os.PathLike, args: argparse.Namespace, rest: list[str], settings: dict, name: str | None = None
+) -> list[str]:
     """vLLM's ``serve`` command line: the model folder, the address, vLLM's own options, the kvpop settings;
     ``name``: the served model name, unless the options give one (a cache folder's path is no name for clients)."""
     named = any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in rest)
-    return ["serve", str(model), "--host", args.host, "--port", str(args.port),
-            *(["--served-model-name", name] if name and not named else []), *rest,
-            "--additional-config", json.dumps({KEY: settings})]  # fmt: skip
+    return [
+        "serve",
+        str(model),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        *(["--served-model-name", name] if name and not named else []),
+        *rest,
+        "--additional-config",
+        json.dumps({KEY: settings}),
+    ]
 
 
 def check_settings(model: Path, settings: dict) -> None:
@@ -241,8 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     argv = plan.vllm_argv
     name = argv[argv.index("--served-model-name") + 1] if "--served-model-name" in argv else str(plan.model)
-    print(f"kvpop serve: {plan.label} (model name {name!r}) from {plan.model}, policy {plan.settings['policy']}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"kvpop serve: {plan.label} (model name {name!r}) from {plan.model}, policy {plan.settings['policy']}",
+        file=sys.stderr,
+    )
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args

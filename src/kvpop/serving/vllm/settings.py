@@ -30,7 +30,8 @@ class ServeSettings(BudgetArgs):
 
     The budget keywords are :class:`kvpop.config.BudgetArgs`' (``budget``, ``k``, ``compression`` +
     ``reference_length``, ``window``, ``sinks``, ``lam``, ``prefill_chunk``), as for ``KVpopCache``.
-    ``policy``: a kvpop policy name (default :data:`kvpop.policies.DEFAULT_POLICY`, the shipped MLP scorer). ``scorer``: a
+    ``policy``: a kvpop policy name (default :data:`kvpop.policies.DEFAULT_POLICY`, the shipped MLP scorer).
+    ``scorer``: a
     scorer checkpoint for a learned policy (default: the one shipped for the embedded
     SmolLM2-135M-Instruct). ``seed``: for ``policy="random"``. ``compile``: compile the decode steady
     state (``KVpopCache(compile=True)``: faster steps after a compilation of a few seconds per batch
@@ -50,21 +51,30 @@ class ServeSettings(BudgetArgs):
         raw = additional_config[KEY]
         where = f"additional_config[{KEY!r}]"
         if not isinstance(raw, Mapping):
-            raise SettingsError(f"{where} must be a dict such as {{\"budget\": 512, \"policy\": \"kvpop\"}}, "
-                                f"got {type(raw).__name__}")  # fmt: skip
+            raise SettingsError(
+                f'{where} must be a dict such as {{"budget": 512, "policy": "kvpop"}}, got {type(raw).__name__}'
+            )
         known = [f.name for f in fields(cls)]
         unknown = sorted(set(raw) - set(known))
         if unknown:
             raise SettingsError(f"{where} has unknown key(s) {unknown}; known keys: {', '.join(known)}")
         settings = cls(**dict(raw))
-        if not isinstance(settings.policy, str) or settings.policy not in POLICIES or settings.policy in TEACHER_FORCED_ONLY:
+        if (
+            not isinstance(settings.policy, str)
+            or settings.policy not in POLICIES
+            or settings.policy in TEACHER_FORCED_ONLY
+        ):
             usable = [p for p in POLICIES if p not in TEACHER_FORCED_ONLY]
             hint = " (leave the kvpop key out for vLLM's own dense cache)" if settings.policy == DENSE else ""
-            raise SettingsError(f"{where}['policy'] = {settings.policy!r} is not a servable policy{hint}; "
-                                f"choose one of {', '.join(usable)}")  # fmt: skip
+            raise SettingsError(
+                f"{where}['policy'] = {settings.policy!r} is not a servable policy{hint}; "
+                f"choose one of {', '.join(usable)}"
+            )
         if settings.scorer is not None and settings.policy not in LEARNED_POLICIES:
-            raise SettingsError(f"{where}['scorer'] is for the learned policies ({', '.join(LEARNED_POLICIES)}), "
-                                f"not {settings.policy!r}")  # fmt: skip
+            raise SettingsError(
+                f"{where}['scorer'] is for the learned policies ({', '.join(LEARNED_POLICIES)}), "
+                f"not {settings.policy!r}"
+            )
         if settings.seed is not None and settings.policy != "random":
             raise SettingsError(f"{where}['seed'] is for policy 'random', not {settings.policy!r}")
         if not isinstance(settings.compile, bool):
