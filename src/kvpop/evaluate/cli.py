@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         "long-dependency tokens (retention, KL, top-1, 95%% bootstrap intervals over documents, per-document "
         "wins/losses against StreamingLLM), continuation, passkey needle (lengths x depths), multi-key recall, "
         "greedy agreement. Writes OUT/results.json, OUT/table.md and OUT/<task>.png. Resumable (rerun the same "
-        "command) and splittable (--shard I/N, --merge).",
+        "command) and splittable (--shard I/N, --merge). Task accuracy (HumanEval pass@1, RULER-style retrieval) "
+        "is its own subcommand: `kvpop eval tasks --help`.",
     )
     p.add_argument(
         "--task",
