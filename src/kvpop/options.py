@@ -139,6 +139,18 @@ def policy_for_scorer(path: str, policy: str | None = None) -> str:
     return name
 
 
+def scorer_policy_kwargs(paths) -> dict[str, dict]:
+    """``--scorer`` files as each learned policy's keyword arguments (``{"kvpop-mlp": {"path": ...}}``, the policy read
+    from each file's header); two files for one policy are an error."""
+    kw: dict[str, dict] = {}
+    for path in paths:
+        name = policy_for_scorer(path)
+        if name in kw:
+            raise ValueError(f"two --scorer checkpoints of policy {name}: {kw[name]['path']} and {path}")
+        kw[name] = {"path": path}
+    return kw
+
+
 def model_position_limit(name_or_path: str | os.PathLike | None) -> tuple[int, Path] | None:
     """``(max_position_embeddings, config.json)`` of a model, read from its config without loading its weights
     (a folder's own config.json, a GGUF's converted copy in the kvpop cache), so a budget past the limit is

@@ -15,7 +15,7 @@ import time
 
 from ..data import SPLITS
 from ..files import check_writable_dir
-from ..options import load_model_quietly, policy_for_scorer
+from ..options import load_model_quietly, scorer_policy_kwargs
 from .core import ALL_POLICIES, PolicyUnavailable
 from .harness import EvalConfig, merge, parse_shard, quick_config, run_eval, table, unit_filter, user_documents
 from .store import StoreMismatch, check_out
@@ -193,13 +193,7 @@ def config_from_args(args) -> EvalConfig:
     if getattr(args, "skip_unavailable", False):
         over["skip_unavailable"] = True
     if args.scorer:
-        kw: dict = {}
-        for path in args.scorer:
-            name = policy_for_scorer(path)
-            if name in kw:
-                raise ValueError(f"two --scorer checkpoints of policy {name}: {kw[name]['path']} and {path}")
-            kw[name] = {"path": path}
-        over["policy_kwargs"] = kw
+        over["policy_kwargs"] = scorer_policy_kwargs(args.scorer)
     if getattr(args, "docs_from", None) and "tasks" not in over:
         over["tasks"] = ("lm", "continuation")
     if args.quick:

@@ -998,15 +998,9 @@ def config_from_args(args) -> SuiteConfig:
     if args.skip_unavailable:
         over["skip_unavailable"] = True
     if args.scorer:
-        from ..options import policy_for_scorer
+        from ..options import scorer_policy_kwargs
 
-        kw: dict = {}
-        for path in args.scorer:
-            name = policy_for_scorer(path)
-            if name in kw:
-                raise ValueError(f"two --scorer checkpoints of policy {name}: {kw[name]['path']} and {path}")
-            kw[name] = {"path": path}
-        over["policy_kwargs"] = kw
+        over["policy_kwargs"] = scorer_policy_kwargs(args.scorer)
     cfg = SuiteConfig(**over)
     cfg.validate()
     return cfg
