@@ -6,7 +6,7 @@ function. A ``KVpopCache`` answers ``get_mask_sizes`` with a :class:`KVpopOffset
 its layers; :func:`kvpop_mask` turns that into a :class:`KVpopMask` (the 2D padding mask and the
 layers), and :func:`kvpop_attention` finds the layer through it (``mask.layers[layer_idx]``) and
 lets it insert the new tokens under the eviction rule and attend. Any other cache, or none, gets
-the model's own implementation and mask, bit for bit (tests/test_attention_routing.py).
+the model's own implementation and mask, bit for bit (tests/unit/test_attention_routing.py).
 
 The ``kvpop`` implementation is set on the model's config while a :class:`Route` is held: each
 ``KVpopCache`` holds one until it is detached (``cache.detach()``) or garbage-collected, and

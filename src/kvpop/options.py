@@ -34,7 +34,7 @@ __all__ = [
 
 # The policy names a command line offers, readable without importing torch (kvpop.policies imports it):
 # kvpop.policies.policy_names(teacher_forced=False) and kvpop.policies.DEFAULT_POLICY, which
-# tests/test_cli_speed.py checks these equal.
+# tests/unit/test_cli_speed.py checks these equal.
 GENERATE_POLICIES = ("dense", "streaming", "tova", "h2o", "snapkv", "knorm", "random", "kvpop-mlp", "kvpop")
 DEFAULT_POLICY = "kvpop-mlp"
 

@@ -39,7 +39,7 @@ reference, fine up to T ~ 2k). Tokens with
 t + window > T - 1 have no state at their exit step inside the sequence: they are
 read against the FINAL state (step T-1). (They have fewer than ``window`` future
 queries and are excluded from the training loss anyway.) Both forms equal the
-recurrent ``step``/``read`` to float tolerance (tests/test_scorers.py).
+recurrent ``step``/``read`` to float tolerance (tests/unit/test_scorers.py).
 """
 
 from __future__ import annotations

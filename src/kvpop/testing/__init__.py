@@ -1,5 +1,5 @@
 """What the tests build on: tiny models, and the plain references (oracles) that every fast path
-of kvpop is held to. Runtime code never imports this package (``tests/test_layout.py``).
+of kvpop is held to. Runtime code never imports this package (``tests/unit/test_layout.py``).
 
 - :mod:`.models`: tiny random models, a tiny tokenizer, a tiny GGUF file, a random learned policy.
 - :mod:`.rule`: the window-exit rule token by token, the pairwise and exit-by-exit chunk

@@ -250,7 +250,7 @@ def test_policy_registry_names():
 )
 def test_models_whose_every_layer_slides_are_refused(arch, overrides):
     """A model whose every layer slides has a bounded cache already: refused, naming the field (hybrid
-    models, with full-attention layers too, are tests/test_hybrid.py's)."""
+    models, with full-attention layers too, are tests/unit/test_hybrid.py's)."""
     model = tiny_model(arch, **overrides)
     ids = _unique_ids(40)
     with torch.no_grad():  # the window is real: 40 tokens > 16 change the dense result

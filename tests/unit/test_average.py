@@ -89,7 +89,7 @@ def test_average_refuses_what_it_cannot_merge():
 
 
 def test_average_scorers_script_writes_a_loadable_checkpoint(tmp_path, monkeypatch):
-    path = Path(__file__).resolve().parents[1] / "research" / "average_scorers.py"
+    path = Path(__file__).resolve().parents[2] / "research" / "average_scorers.py"
     spec = importlib.util.spec_from_file_location("average_scorers", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

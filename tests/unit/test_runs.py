@@ -17,7 +17,7 @@ from kvpop.runs import Run, cosine_schedule, resume_mismatch
 from kvpop.testing import tiny_model, tiny_tokenizer
 from kvpop.train import TrainConfig, train
 
-FIXTURE = Path(__file__).parent / "fixtures" / "runs_v0"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "runs_v0"
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 

@@ -192,7 +192,7 @@ def test_run_eval_schema_and_plots(tmp_path):
 def test_run_eval_on_fixture_corpora(tmp_path):
     from pathlib import Path
 
-    fixtures = Path(__file__).parent / "fixtures" / "corpora"
+    fixtures = Path(__file__).parents[1] / "fixtures" / "corpora"
     roots = {name: fixtures / name for name in ("paul_graham", "python_code")}
     model, tok = tiny_model("llama"), tiny_tokenizer()
     cfg = _small_cfg(
@@ -220,7 +220,7 @@ def test_split_picks_the_documents_and_is_part_of_the_fingerprint(tmp_path):
     from kvpop.data import long_documents
     from kvpop.evaluate.harness import corpus_documents, fingerprint
 
-    fixtures = Path(__file__).parent / "fixtures" / "corpora"
+    fixtures = Path(__file__).parents[1] / "fixtures" / "corpora"
     roots = {"paul_graham": fixtures / "paul_graham"}
     model, tok = tiny_model("llama"), tiny_tokenizer()
     test_cfg = _small_cfg(

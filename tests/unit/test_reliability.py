@@ -399,7 +399,7 @@ def test_evaluation_domains_come_from_the_evaluated_scorer(tmp_path):
         tmp_path / "mine.safetensors",
         {"fingerprint": model_fingerprint(model), "corpora": ["python_code"]},
     )
-    fixtures = Path(__file__).parent / "fixtures" / "corpora"
+    fixtures = Path(__file__).parents[1] / "fixtures" / "corpora"
     roots = {name: fixtures / name for name in ("paul_graham", "python_code")}
     cfg = EvalConfig(
         tasks=("lm",),

@@ -227,7 +227,7 @@ def test_validate_bundle_script_reproduces_the_runs_own_validation(tmp_path, doc
     run = tmp_path / "run"
     s = adapt(_cfg(run, docs, scorer_path, model=str(tmp_path / "base"), steps=2, val_docs=1))
     out = tmp_path / "val.json"
-    script = Path(__file__).resolve().parents[1] / "scripts" / "validate_bundle.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "validate_bundle.py"
     proc = subprocess.run(
         [sys.executable, str(script), str(run), str(run / "adapter"), "--out", str(out)],
         check=False,
@@ -260,7 +260,7 @@ def test_validate_bundle_shards_merge_to_the_unsharded_validation(tmp_path, docs
     save_tiny_model(tmp_path / "base", seed=0)
     run = tmp_path / "run"
     adapt(_cfg(run, docs, scorer_path, model=str(tmp_path / "base"), steps=2, val_docs=3))
-    script = Path(__file__).resolve().parents[1] / "scripts" / "validate_bundle.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "validate_bundle.py"
 
     def call(*args):
         return subprocess.run(
@@ -293,7 +293,7 @@ def test_joint_diagnosis_scripts_read_the_run(tmp_path, docs, scorer_path):
     save_tiny_model(tmp_path / "base", seed=0)
     run = tmp_path / "run"
     s = adapt(_cfg(run, docs, scorer_path, model=str(tmp_path / "base"), steps=2, val_docs=1, joint=True))
-    scripts = Path(__file__).resolve().parents[1] / "research"
+    scripts = Path(__file__).resolve().parents[2] / "research"
     out = tmp_path / "v.json"
     proc = subprocess.run(
         [sys.executable, str(scripts / "adapt_validations.py"), str(run), "--out", str(out)],
@@ -810,7 +810,7 @@ def test_shipped_wall_time_counts_the_steps_before_a_restart():
     not record them is refused rather than under-reported."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "ship_adapter.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "ship_adapter.py"
     spec = importlib.util.spec_from_file_location("ship_adapter", path)
     ship = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ship)
@@ -839,7 +839,7 @@ def test_ship_adapter_writes_the_bundle_with_its_summary_and_note(tmp_path, monk
     import json
     import sys
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "ship_adapter.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "ship_adapter.py"
     spec = importlib.util.spec_from_file_location("ship_adapter", path)
     ship = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ship)

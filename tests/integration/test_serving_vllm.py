@@ -10,7 +10,7 @@
 * ``kvpop serve`` without a model serves ``kvpop generate``'s default (the adapted model, its scorer) on
   127.0.0.1, with its greedy tokens.
 
-Each engine runs in its own process (``tests/vllm_run.py``). Skipped where vllm is not importable
+Each engine runs in its own process (``tests/integration/vllm_run.py``). Skipped where vllm is not importable
 (the main suite needs no vLLM); ``.ci/run`` runs these in the vLLM virtualenv.
 """
 
@@ -337,7 +337,7 @@ def test_kvpop_serve_default_is_kvpop_generates_adapted_model(tmp_path):
             model="smollm2-135m-instruct-kvpop", prompt=ids, max_tokens=new_tokens, temperature=0, extra_body=extra
         )
         got = list(r.choices[0].token_ids)
-        # (serving the base model, or a dense cache, would fail here: tests/test_serve_merged.py checks both)
+        # serving the base model or a dense cache would fail here (tests/integration/test_serve_merged.py checks)
         assert _first_difference(got, want) is None, (got, want)
         merged = [p for p in (cache / "models").iterdir() if "--" in p.name]
         assert len(merged) == 1 and (merged[0] / "kvpop-merged.json").is_file()

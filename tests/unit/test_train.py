@@ -512,7 +512,7 @@ def test_ship_scorer_ships_the_last_checkpoint_of_a_run_without_validation(tmp_p
     best.safetensors is one clear error and the shipped files stay as they were."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "ship_scorer.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "ship_scorer.py"
     spec = importlib.util.spec_from_file_location("ship_scorer", path)
     ship = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ship)

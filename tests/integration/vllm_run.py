@@ -1,6 +1,6 @@
 """Run one vLLM engine over token prompts and write what it did (a helper of test_serving_vllm.py).
 
-Usage: ``python tests/vllm_run.py SPEC.json OUT.json``. SPEC: ``model`` (a folder), ``prompts``
+Usage: ``python tests/integration/vllm_run.py SPEC.json OUT.json``. SPEC: ``model`` (a folder), ``prompts``
 (token id lists), ``batches`` (lists of prompt indices: each one ``generate`` call), ``max_tokens``,
 ``engine`` (extra ``vllm.LLM`` keyword arguments, e.g. ``additional_config``). OUT: ``tokens`` (one
 list per batch, one token list per prompt) and the engine's own KV cache accounting.

@@ -5,7 +5,7 @@ the CLI or the test oracles."""
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "kvpop"
+SRC = Path(__file__).resolve().parents[2] / "src" / "kvpop"
 # what runs inside a model with a KVpop cache (and what it loads: checkpoints, adapter bundles)
 RUNTIME = (
     "config",

@@ -35,7 +35,7 @@ def _ids(n, batch=1):
     return torch.stack([torch.randperm(128, generator=g)[:n] for _ in range(batch)])
 
 
-# (dtype, layers, logits tolerance): bfloat16 with one layer, as in tests/test_cache.py's DTYPES
+# (dtype, layers, logits tolerance): bfloat16 with one layer, as in tests/unit/test_cache.py's DTYPES
 DTYPES = {"float32": (torch.float32, 2, 1e-5), "bfloat16": (torch.bfloat16, 1, 1e-2)}
 
 

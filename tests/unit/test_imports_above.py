@@ -5,7 +5,7 @@ there for a reason (listed below with it)."""
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "kvpop"
+SRC = Path(__file__).resolve().parents[2] / "src" / "kvpop"
 ABOVE = [
     "train",
     "adapt",
@@ -28,7 +28,7 @@ DEFERRED = {
     ("bench/gpu.py", "..testing"): "test scaffolding (tiny models) for the parity part, kept out of the CLI's imports",
     ("serving/vllm/__init__.py", "."): "the backend module imports vLLM: loaded when vLLM calls the plugin",
     # the command lines: torch, transformers and the model code load when a command runs, so `kvpop --help`, every
-    # subcommand's parser and a bad argument answer at once (tests/test_cli_speed.py)
+    # subcommand's parser and a bad argument answer at once (tests/unit/test_cli_speed.py)
     ("cli.py", "."): "the runtime (models, cache, checkpoint, adapters, policies): loaded when a command runs",
     ("cli.py", ".generate"): "the runtime: loaded when `kvpop generate` runs",
     ("cli.py", ".data"): "the corpora (they import torch): only --demo-prompt reads one",
