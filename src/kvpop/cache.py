@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from .attention import USE_CACHE_FALSE, KVpopOffset, Route
-from .compiled import CompiledStep, compile_default
+from .compiled import EAGER_STEPS, CompiledStep, compile_default
 from .config import (
     BudgetArgs,
     EvictionConfig,
@@ -498,7 +498,10 @@ class KVpopCache(Cache):
             kwargs.setdefault("config", config)  # a model loaded with an adapter bundle: its scorer
         pol = get_policy(policy, **kwargs)
         self.eviction, self.policy = _eviction(config, pol, args, eviction), pol
-        self.compiled_step = CompiledStep(compile_default() if compile is None else compile)
+        # not told: compile once a generation is long enough to pay for it; compile=True: from the first step
+        self.compiled_step = CompiledStep(
+            compile_default() if compile is None else compile, eager_steps=EAGER_STEPS if compile is None else 0
+        )
         self.prepared = _Prepared(pol)
         self.route = Route(config)  # released when this cache is detached or collected
         weakref.finalize(self, self.route.release)

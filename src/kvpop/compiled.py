@@ -50,6 +50,12 @@ class CompileFailed(RuntimeError):
     caller holds was written, so the eager step may run instead."""
 
 
+# Steady decode steps a layer runs eagerly before its step is compiled, when the cache was not told to compile
+# (``compile=None``): compiling costs seconds once per cache shape, which a short generation never earns back, so a
+# generation of fewer steps never waits on the compiler and a long one compiles after these few eager steps.
+EAGER_STEPS = 32
+
+
 def compile_default() -> bool:
     """Whether a cache compiles its decode step when not told: yes, unless ``KVPOP_COMPILE=0`` (the
     test suite sets it, to spend its time on tests rather than on compiling tiny shapes)."""
@@ -116,12 +122,14 @@ class CompiledStep:
     tests give a failing one). ``status`` says what ran, for ``kvpop generate``.
     """
 
-    def __init__(self, enabled: bool, compiler: Callable = compiled_code) -> None:
+    def __init__(self, enabled: bool, compiler: Callable = compiled_code, eager_steps: int = 0) -> None:
         self.enabled, self.compiler = enabled, compiler
+        self.eager_steps = eager_steps  # steady steps per layer run eagerly first (:data:`EAGER_STEPS`)
         self.error: str | None = None  # why this cache runs eagerly after all (compiling failed)
         self.ran = False  # a compiled step ran
         self.bound: dict[int, _LayerBinding] = {}
         self._ready: dict[int, set[str]] = {}  # per layer: steps prepared for its current buffers
+        self._steps: dict[int, int] = {}  # per layer: steady steps run
 
     @property
     def active(self) -> bool:
@@ -134,6 +142,8 @@ class CompiledStep:
             return "eager"
         if self.error is not None:
             return f"eager (compiling failed: {self.error})"
+        if not self.ran and self._steps:
+            return f"eager (the step compiles after {self.eager_steps} decode steps)"
         return "compiled" if self.ran else "compiled (not reached)"
 
     def forget(self, layer_idx: int) -> None:
@@ -150,7 +160,7 @@ class CompiledStep:
         what failed: this cache runs eagerly from then on, with one warning; when it fails too, its
         error is raised and compilation stays on.
         """
-        if not self.active:
+        if not self.active or self._eager_first(layer_idx):
             return STEPS[name](*args)
         try:
             code = self._prepared(layer_idx, name, args, device_type)
@@ -163,6 +173,12 @@ class CompiledStep:
             return out
         self.ran = True
         return code(*args)
+
+    def _eager_first(self, layer_idx: int) -> bool:
+        """Whether this steady step of the layer is one of its first :attr:`eager_steps` (run eagerly)."""
+        n = self._steps.get(layer_idx, 0)
+        self._steps[layer_idx] = n + 1
+        return n < self.eager_steps
 
     def _prepared(self, layer_idx: int, name: str, args: tuple, device_type: str):
         try:
@@ -183,7 +199,8 @@ class CompiledStep:
         """Keep the compiled step just run with everything but ``dynamic`` bound, for the layer's next
         steps (CPU only: other devices go through ``torch.compile``)."""
         self.bound.pop(layer_idx, None)
-        if not self.active or dynamic[0].device.type != "cpu":
+        eager_run = self._steps.get(layer_idx, 0) <= self.eager_steps  # the step just run was an eager one
+        if not self.active or eager_run or dynamic[0].device.type != "cpu":
             return
         bind = getattr(self.compiler(name, "cpu"), "bind", None)
         step = None if bind is None else bind(args, dynamic)

@@ -391,3 +391,28 @@ def test_compile_is_on_by_default(monkeypatch):
     monkeypatch.setenv("KVPOP_COMPILE", "0")
     assert KVpopCache(model.config, **kw).compile_status == "eager"
     assert KVpopCache(model.config, compile=True, **kw).compiled_step.enabled
+
+
+@pytest.mark.slow
+def test_default_compiles_only_once_a_generation_is_long(monkeypatch):
+    """Not told (compile=None), a cache runs each layer's first EAGER_STEPS steady steps eagerly (a short
+    generation never waits on the compiler), then compiles and binds; the outputs equal an eager cache's."""
+    from kvpop.compiled import EAGER_STEPS
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    kw = {"budget": 20, "window": 6, "sinks": 2, "policy": "h2o"}
+    monkeypatch.delenv("KVPOP_COMPILE", raising=False)
+    short, long_ids = _ids(30 + EAGER_STEPS // 2), _ids(30 + EAGER_STEPS + 8)
+    a = KVpopCache(model.config, **kw)
+    la = _run(model, a, short, 30)
+    assert not a.compiled_step.ran and a.compile_status.startswith("eager (the step compiles after")
+    torch.testing.assert_close(la, _run(model, KVpopCache(model.config, compile=False, **kw), short, 30))
+    b = KVpopCache(model.config, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        lb = _run(model, b, long_ids, 30)
+    if any("compiling the decode step failed" in str(w.message) for w in caught):
+        compile_unavailable("torch.compile failed and the step ran eagerly")
+    assert b.compile_status == "compiled" and _all_bound(b)
+    eager = _run(model, KVpopCache(model.config, compile=False, **kw), long_ids, 30)
+    torch.testing.assert_close(lb, eager, rtol=1e-4, atol=1e-4)
