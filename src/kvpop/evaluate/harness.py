@@ -47,7 +47,16 @@ from .grid import SHARED_DIR, Item, ItemContext, Settings, SharedStore, item_cos
 from .plots import plot_results
 from .report import markdown_report, text_table
 from .stats import aggregate
-from .store import ADAPTER_KEY, FILE_HASH_KEY, WEIGHTS_KEY, RecordStore, check_fingerprint, load_dirs, unit_key
+from .store import (
+    ADAPTER_KEY,
+    FILE_HASH_KEY,
+    WEIGHTS_KEY,
+    RecordStore,
+    check_fingerprint,
+    load_dirs,
+    session_record,
+    unit_key,
+)
 from .tasks import DEFAULT_TASKS, TASKS, TEXT_TASKS, multikey_cases, needle_cases
 
 
@@ -540,26 +549,25 @@ def run_eval(
         remaining = len(todo) - ran
         if stopped:
             notes.append(f"{stopped}; {remaining} units of this run remain: {RESUME_HINT}")
-        session = {
-            "tag": tag,
-            "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
-            "started": started,
-            "finished": _dt.datetime.now().isoformat(timespec="seconds"),
-            "wall_s": time.perf_counter() - t_start,
-            "interrupted": interrupted,
-            "tasks": list(cfg.tasks),
-            "policies": policies,
-            "budgets": budgets,
-            "skipped_policies": skipped,
-            "notes": notes,
-            "units_run": ran,
-            "units_done_before": n_done,
-            "units_remaining": remaining,
-            "in_domain": list(in_domain),
-            "threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-        }
+        session = session_record(
+            tag=tag,
+            shard=shard,
+            started=started,
+            t_start=t_start,
+            interrupted=interrupted,
+            tasks=cfg.tasks,
+            policies=policies,
+            budgets=budgets,
+            skipped=skipped,
+            notes=notes,
+            units_run=ran,
+            units_done_before=n_done,
+            units_remaining=remaining,
+            in_domain=list(in_domain),
+            threads=torch.get_num_threads(),
+            python=platform.python_version(),
+            torch=torch.__version__,
+        )
         store.add_session(session)
     if out is not None:
         _, units, sessions = load_dirs([out])

@@ -17,8 +17,10 @@ folders and be merged (:func:`load_dirs`).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import time
 from pathlib import Path
 
 from ..files import atomic_write, check_writable_dir
@@ -279,3 +281,37 @@ def load_dirs(dirs) -> tuple[dict, list[dict], list[dict]]:
     if fingerprint is not None:
         fingerprint["policy_kwargs"] = {p: kw for p, kw in sorted(kwargs.items()) if kw}
     return fingerprint or {}, list(records.values()), sessions
+
+
+def session_record(
+    *,
+    tag: str,
+    shard,
+    started: str,
+    t_start: float,
+    interrupted: bool,
+    tasks,
+    policies,
+    budgets,
+    skipped,
+    notes,
+    units_run: int,
+    **extra,
+) -> dict:
+    """One session of an evaluation run as its sessions file keeps it: what ran, when, for how long, what stopped it
+    (``t_start`` a ``time.perf_counter()`` reading); ``extra`` adds a command's own fields."""
+    return {
+        "tag": tag,
+        "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
+        "started": started,
+        "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+        "wall_s": time.perf_counter() - t_start,
+        "interrupted": interrupted,
+        "tasks": list(tasks),
+        "policies": policies,
+        "budgets": budgets,
+        "skipped_policies": skipped,
+        "notes": notes,
+        "units_run": units_run,
+        **extra,
+    }

@@ -468,7 +468,7 @@ def run_suite(
     from .core import PolicyUnavailable
     from .grid import Settings
     from .harness import unavailable_message
-    from .store import RecordStore, load_dirs, unit_key
+    from .store import RecordStore, load_dirs, session_record, unit_key
 
     cfg = cfg or SuiteConfig()
     cfg.validate()
@@ -572,23 +572,22 @@ def run_suite(
         interrupted = False
     finally:
         bar.close()
-        session = {
-            "tag": tag,
-            "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
-            "started": started,
-            "finished": _dt.datetime.now().isoformat(timespec="seconds"),
-            "wall_s": time.perf_counter() - t_start,
-            "interrupted": interrupted,
-            "tasks": list(cfg.tasks),
-            "policies": policies,
-            "budgets": budgets,
-            "skipped_policies": skipped,
-            "notes": notes,
-            "units_run": runner.ran,
-            "config": _jsonable(asdict(cfg)),
-            "threads": torch.get_num_threads(),
-            "device": str(model.device),
-        }
+        session = session_record(
+            tag=tag,
+            shard=shard,
+            started=started,
+            t_start=t_start,
+            interrupted=interrupted,
+            tasks=cfg.tasks,
+            policies=policies,
+            budgets=budgets,
+            skipped=skipped,
+            notes=notes,
+            units_run=runner.ran,
+            config=_jsonable(asdict(cfg)),
+            threads=torch.get_num_threads(),
+            device=str(model.device),
+        )
         store.add_session(session)
     if out is not None:
         fp_all, units, sessions = load_dirs([out])
