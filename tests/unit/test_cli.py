@@ -80,7 +80,8 @@ def test_generate_prompt_file_reports_speed_and_memory_quietly(tiny, capsys):
 
 @pytest.mark.slow
 def test_generate_says_it_ran_the_compiled_step_by_default(tiny, capsys, monkeypatch):
-    """A fresh `kvpop generate` compiles its steady decode step unless --no-compile, and says which ran."""
+    """A fresh `kvpop generate` compiles its steady decode step once the generation is long enough (after
+    EAGER_STEPS eager steps) unless --no-compile, and says which ran."""
     from kvpop.testing import compile_unavailable
 
     root, _ = tiny
@@ -100,7 +101,7 @@ def test_generate_says_it_ran_the_compiled_step_by_default(tiny, capsys, monkeyp
                 "--window",
                 "4",
                 "--max-new-tokens",
-                "24",
+                "64",
             ]
         )
         == 0
