@@ -4,7 +4,6 @@ checkpoints / resume, bundles loadable by kvpop.load_model, DDP, config errors, 
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 import warnings
@@ -22,7 +21,7 @@ from kvpop.checkpoint import load_scorer, model_fingerprint, save_scorer
 from kvpop.compat import enable_checkpointing
 from kvpop.mask import learned_priority_fn
 from kvpop.policies import LearnedPolicy
-from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer
+from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer, write_word_docs
 from kvpop.train import TrainConfig
 from kvpop.train.loop import build_run_scorer, trained_for
 
@@ -32,30 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("docs")
-    rng = random.Random(0)
-    words = [
-        "the",
-        "cat",
-        "sat",
-        "on",
-        "a",
-        "mat",
-        "while",
-        "dogs",
-        "ran",
-        "far",
-        "away",
-        "into",
-        "green",
-        "hills",
-        "and",
-        "old",
-        "trees",
-    ]
-    for i in range(30):
-        (folder / f"d{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
-    return folder
+    return write_word_docs(tmp_path_factory.mktemp("docs"))
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ a run over a capture store does not depend on what the store already held, and a
 model and starting scorer (by content, not path) it began with."""
 
 import pickle
-import random
 import shutil
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import torch
 from kvpop.adapt import AdaptConfig, adapt
 from kvpop.checkpoint import model_fingerprint, save_scorer
 from kvpop.runs import Run, plain, read_state, write_state
-from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer
+from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer, write_word_docs
 from kvpop.train import TrainConfig, main, train
 from kvpop.train.loop import build_run_scorer, trained_for
 
@@ -25,30 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("docs")
-    rng = random.Random(0)
-    words = [
-        "the",
-        "cat",
-        "sat",
-        "on",
-        "a",
-        "mat",
-        "while",
-        "dogs",
-        "ran",
-        "far",
-        "away",
-        "into",
-        "green",
-        "hills",
-        "and",
-        "old",
-        "trees",
-    ]
-    for i in range(30):
-        (folder / f"d{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
-    return folder
+    return write_word_docs(tmp_path_factory.mktemp("docs"))
 
 
 @pytest.fixture(scope="module")

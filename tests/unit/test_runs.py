@@ -4,7 +4,6 @@ the schedule (validation, best, checkpoints, stop_after), the resume check, the 
 import itertools
 import json
 import math
-import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 
 from kvpop.adapt import AdaptConfig, adapt
 from kvpop.runs import Run, cosine_schedule, resume_mismatch
-from kvpop.testing import tiny_model, tiny_tokenizer
+from kvpop.testing import tiny_model, tiny_tokenizer, write_word_docs
 from kvpop.train import TrainConfig, train
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "runs_v0"
@@ -24,30 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 @pytest.fixture
 def old_runs(tmp_path, monkeypatch):
     """The fixture's stopped runs in a working folder that holds the ``docs/`` they were made from."""
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    rng = random.Random(0)
-    words = [
-        "the",
-        "cat",
-        "sat",
-        "on",
-        "a",
-        "mat",
-        "while",
-        "dogs",
-        "ran",
-        "far",
-        "away",
-        "into",
-        "green",
-        "hills",
-        "and",
-        "old",
-        "trees",
-    ]
-    for i in range(30):
-        (docs / f"d{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
+    write_word_docs(tmp_path / "docs")
     for name in ("train", "adapt"):
         shutil.copytree(FIXTURE / name, tmp_path / name)
     monkeypatch.chdir(tmp_path)

@@ -4,7 +4,6 @@ the capture store is reused, DDP ranks stay identical, the loss and labels mean 
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -14,37 +13,14 @@ import torch
 
 from kvpop.checkpoint import ScorerMismatchError, load_scorer, read_header, save_scorer
 from kvpop.scorers import ScorerConfig, build_scorer
-from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer
+from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer, write_word_docs
 from kvpop.train import TrainConfig, main, train
 from kvpop.train.labels import Labels, decision_weights, labels_for, layer_loss, margins
 
 
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("docs")
-    rng = random.Random(0)
-    words = [
-        "the",
-        "cat",
-        "sat",
-        "on",
-        "a",
-        "mat",
-        "while",
-        "dogs",
-        "ran",
-        "far",
-        "away",
-        "into",
-        "green",
-        "hills",
-        "and",
-        "old",
-        "trees",
-    ]
-    for i in range(30):
-        (folder / f"d{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)))
-    return folder
+    return write_word_docs(tmp_path_factory.mktemp("docs"))
 
 
 def _cfg(out, docs, **kw):

@@ -22,6 +22,7 @@ from .models import (
     tiny_model,
     tiny_tokenizer,
     write_tiny_gguf,
+    write_word_docs,
 )
 
 __all__ = [
@@ -38,4 +39,5 @@ __all__ = [
     "tiny_model",
     "tiny_tokenizer",
     "write_tiny_gguf",
+    "write_word_docs",
 ]

@@ -306,3 +306,21 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return model
+
+
+TINY_WORDS = ("the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "away", "into", "green", "hills")
+TINY_WORDS += ("and", "old", "trees")
+
+
+def write_word_docs(folder, n_docs: int = 30, n_words: int = 300, seed: int = 0):
+    """``n_docs`` text files ``d00.txt``.. of ``n_words`` random words from :data:`TINY_WORDS` (a tiny corpus the
+    tiny tokenizer covers, for `kvpop train --docs-from` and its kin); returns ``folder``."""
+    import random
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for i in range(n_docs):
+        (folder / f"d{i:02d}.txt").write_text(" ".join(rng.choice(TINY_WORDS) for _ in range(n_words)))
+    return folder
