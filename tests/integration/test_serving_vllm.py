@@ -231,17 +231,7 @@ def test_vllm_serve_with_plugin_answers_like_the_offline_path(real, tmp_path_fac
         )
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=300)
-        deadline = time.monotonic() + 600
-        while True:
-            if server.poll() is not None:
-                pytest.fail(f"vllm serve exited ({server.returncode}):\n{log.read_text()[-4000:]}")
-            try:
-                client.models.list()
-                break
-            except Exception:  # noqa: BLE001 (not up yet)
-                if time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-4000:]}")
-                time.sleep(2)
+        _wait_up(client, server, log)
 
         def ask(prompt):
             r = client.completions.create(
