@@ -21,10 +21,10 @@ import kvpop
 from kvpop.adapt.config import AdaptConfig
 from kvpop.adapt.loop import scorer_step
 from kvpop.checkpoint import default_scorer_path, load_scorer
-from kvpop.runs import cosine_schedule
 from kvpop.train.config import TrainConfig
 from kvpop.train.data import SequenceSource, capture_example
 from kvpop.train.quality import RetentionProbe
+from kvpop.train.runs import cosine_schedule
 
 torch.set_num_threads(1)
 SEQ, STEPS, LR, BEFORE = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1"

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kvpop.adapters import ADAPTER_META_FILE
+from kvpop.bundle import ADAPTER_META_FILE
 from kvpop.checkpoint import DEFAULT_ADAPTER, DEFAULT_SCORERS, atomic_write, model_fingerprint
 from kvpop.models import load_model
 

@@ -54,7 +54,7 @@ def main() -> None:
     bundle = Path(args.bundle)
     if not state.is_file():
         raise SystemExit(f"run: no train_state.pt in {args.run}")
-    from kvpop.adapters import ADAPTER_META_FILE, SCORER_FILE, load_adapter_bundle
+    from kvpop.bundle import ADAPTER_META_FILE, SCORER_FILE, load_adapter_bundle
 
     if not (bundle / ADAPTER_META_FILE).is_file():
         raise SystemExit(f"bundle: {bundle} is not an adapter bundle (no {ADAPTER_META_FILE})")

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
-    from .adapters import AdapterMismatchError, load_adapter_bundle, lora_config, save_adapter_bundle
+    from .adapt.lora import lora_config, save_adapter_bundle
     from .attention import detach, routed
+    from .bundle import AdapterMismatchError, load_adapter_bundle
     from .cache import KVpopCache, KVpopLayer, make_cache
     from .capture import LayerCapture, collect
     from .checkpoint import load_scorer, save_scorer
@@ -44,12 +45,14 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
     )
     from .rule import leave_steps
     from .targets import future_attention
-    from .teacher import TeacherLabels, teacher_labels
+    from .train.teacher import TeacherLabels, teacher_labels
 
-# the module (under kvpop) -> the public names it defines
+# the module (under kvpop) -> the public names it defines (the facade of the whole package: a few come from
+# kvpop.adapt and kvpop.train, which the runtime modules themselves never import)
 _MODULES: dict[str, tuple[str, ...]] = {
-    "adapters": ("AdapterMismatchError", "load_adapter_bundle", "lora_config", "save_adapter_bundle"),
+    "adapt.lora": ("lora_config", "save_adapter_bundle"),
     "attention": ("detach", "routed"),
+    "bundle": ("AdapterMismatchError", "load_adapter_bundle"),
     "cache": ("KVpopCache", "KVpopLayer", "make_cache"),
     "capture": ("LayerCapture", "collect"),
     "checkpoint": ("load_scorer", "save_scorer"),
@@ -76,7 +79,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
     ),
     "rule": ("leave_steps",),
     "targets": ("future_attention",),
-    "teacher": ("TeacherLabels", "teacher_labels"),
+    "train.teacher": ("TeacherLabels", "teacher_labels"),
 }
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 

@@ -1,5 +1,7 @@
 """Capture post-RoPE keys/values (and training targets) from a transformers model.
 
+Runtime level (a top-level module): it computes the future-attention targets the oracle policy runs on.
+
 Mechanism: a custom attention function is registered once in transformers'
 ``AttentionInterface`` (and ``sdpa_mask`` under the same name in ``AttentionMaskInterface``, so
 the model builds the same masks as for ``"sdpa"``).  ``capturing(model)`` temporarily sets the

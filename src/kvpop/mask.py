@@ -1,5 +1,7 @@
 """Training-time eviction mask: the bounded cache as an attention mask over the whole sequence.
 
+Runtime level (a top-level module): the masked simulation is the cache's fast path that evaluation and adaptation use.
+
 With a static per-token priority (frozen when the token leaves the window; method.md section 5,
 "Adapting the LLM"), the long-range set after any number of exits is the top-``k`` of the
 exited tokens in the order ``(priority, -index)`` (``kvpop.rule``). So each token has one

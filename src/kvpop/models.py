@@ -60,6 +60,7 @@ __all__ = [
     "kv_bytes_at",
     "kv_bytes_per_token",
     "load_model",
+    "load_model_quietly",
     "model_summary",
     "resolve_model",
 ]
@@ -610,13 +611,13 @@ def load_model(
       - a local Hugging Face model folder (``config.json`` + weights + tokenizer files);
       - a ``.gguf`` file, converted once to the kvpop cache (keyed by its content).
 
-    ``adapter``: a kvpop adapter bundle folder (``kvpop.adapters.save_adapter_bundle``), or
+    ``adapter``: a kvpop adapter bundle folder (``kvpop.adapt.lora.save_adapter_bundle``), or
     ``"default"`` for the bundle shipped with the embedded model, to put onto the loaded model:
     the model returned is then a ``peft`` model with the adapter on (or, with
     ``merge=True``, the plain model with the LoRA weights merged in), and ``model.kvpop_adapter``
     holds the bundle's scorer (or ``None``) and metadata; a learned policy on that model uses the
     bundle's scorer unless given another. A bundle trained on another base model raises
-    ``kvpop.adapters.AdapterMismatchError``. The default (``None``) is the base model.
+    ``kvpop.bundle.AdapterMismatchError``. The default (``None``) is the base model.
 
     The tokenizer is returned with ``padding_side="left"`` (and ``pad_token`` = ``eos_token`` if it
     had none). ``progress=False`` silences the conversion messages and progress bars.
@@ -637,7 +638,7 @@ def load_model(
 
         adapter = default_adapter_path()
     if adapter is not None:
-        from .adapters import check_adapter_bundle
+        from .bundle import check_adapter_bundle
 
         check_adapter_bundle(adapter)  # a missing or broken bundle is an error before the model loads
     if kind == "gguf":
@@ -648,7 +649,7 @@ def load_model(
         dtype = torch.float32
     model, tokenizer = _load_folder(path, dtype, device, progress)
     if adapter is not None:
-        from .adapters import load_adapter_bundle
+        from .bundle import load_adapter_bundle
 
         bundle = load_adapter_bundle(model, adapter, merge=merge)
         model = bundle.model
@@ -661,6 +662,20 @@ def load_model(
     elif merge:
         raise ValueError("merge=True needs adapter=PATH")
     return model, tokenizer
+
+
+def load_model_quietly(name_or_path=None, adapter=None, merge: bool = False):
+    """:func:`load_model` for the command lines: kvpop's one-time conversion messages, but not
+    transformers' per-load "Loading weights" bar (noise on every run)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return load_model(name_or_path, progress=True, adapter=adapter, merge=merge)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 class _AdapterInfo:

@@ -6,7 +6,7 @@ older (smaller index) ranks higher, so an exiting token loses a tie against the 
 token ("strictly greater wins"). With static priorities this makes the long-range set after
 any number of exits exactly the top-``k`` of all exited tokens under the order
 ``(priority, -index)`` — which is what lets a chunk of exits be decided at once and what the
-teacher (``kvpop.teacher``) reproduces offline.
+teacher (``kvpop.train.teacher``) reproduces offline.
 
 All functions work on tensors ``[batch, kv_heads, ...]`` and never loop over heads (but for
 the teacher's :func:`boundary_walk`, a heap per row). Indices are *logical* token indices of a

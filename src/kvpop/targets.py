@@ -1,5 +1,7 @@
 """Training targets: future attention after the protected window (spec sections 3 and 4).
 
+Runtime level (a top-level module): the oracle policy runs on these targets, not only training.
+
 For a causal attention layer with post-RoPE queries ``q`` ``[batch, q_heads, S, d]`` and keys
 ``k`` ``[batch, kv_heads, S, d]``, the attention probability of query ``d`` on key ``t`` is
 ``p[g, d, t] = exp(scale * q_d . k_t - LSE[g, d])`` (``LSE`` = row log-sum-exp over keys

@@ -65,7 +65,7 @@ def test_shipped_scorers_and_adapter_fit_the_embedded_model_in_bfloat16(real):
     assert fp["weights_bf16_sha256"] == fp_half["weights_bf16_sha256"]
     assert fp["weights_sampled_bf16_sha256"] == fp_half["weights_sampled_bf16_sha256"]
     # the shipped files record the every-layer hash too (metadata added by scripts/refresh_fingerprints.py)
-    from kvpop.adapters import read_bundle_meta
+    from kvpop.bundle import read_bundle_meta
     from kvpop.checkpoint import DEFAULT_ADAPTER, DEFAULT_SCORERS, read_header
 
     for path in DEFAULT_SCORERS.values():
@@ -101,7 +101,7 @@ def test_shipped_adapter_loads_onto_the_embedded_model_and_serves_its_policy(rea
     """load_model(adapter="default"): the shipped LoRA bundle; its scorer serves the model's default
     policy (the one its kind names: kvpop-mlp for the MLP bundle shipped since December 2026);
     the adapted model is a slightly different model; the adapter off gives the base model back."""
-    from kvpop.adapters import teacher_mode
+    from kvpop.bundle import teacher_mode
     from kvpop.policies import KIND_TO_POLICY
 
     base, tok = real

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvpop
-from kvpop.adapters import teacher_mode
+from kvpop.bundle import teacher_mode
 from kvpop.checkpoint import default_adapter_path, read_tensors
 from kvpop.compat import cache_kwargs
 from kvpop.models import convert_gguf, default_gguf_path

@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 
 import kvpop
-from kvpop.adapt import AdaptConfig, adapt, compare_adapted, main
+from kvpop.adapt import AdaptConfig, adapt, compare_adapted
 from kvpop.adapt.loop import prepare_model, student_step, teacher_topk, topk_kl
-from kvpop.adapters import AdapterMismatchError, load_adapter_bundle, read_bundle_meta, teacher_mode
+from kvpop.bundle import AdapterMismatchError, load_adapter_bundle, read_bundle_meta, teacher_mode
 from kvpop.checkpoint import load_scorer, model_fingerprint, save_scorer
+from kvpop.cli.adapt import main
 from kvpop.compat import enable_checkpointing
 from kvpop.mask import learned_priority_fn
 from kvpop.policies import LearnedPolicy
@@ -505,7 +506,7 @@ def test_cli_validates_first(tmp_path, capsys, scorer_path):
 
 def test_cli_joint_is_opt_in(tmp_path):
     """The scorer stays fixed unless --joint asks to train it too (the one joint run lowered retention)."""
-    from kvpop.adapt.cli import build_parser, config_from_args
+    from kvpop.cli.adapt import build_parser, config_from_args
 
     def joint(*flags):
         return config_from_args(build_parser().parse_args(["--out", str(tmp_path), *flags])).joint
@@ -541,7 +542,7 @@ def test_compare_adapted(tmp_path, docs, scorer_path):
 
 def test_compare_adapted_command(tmp_path, docs, scorer_path, monkeypatch, capsys):
     """`kvpop compare-adapted`: split over two shards, resumable, the same numbers as compare_adapted."""
-    from kvpop.adapt import report
+    from kvpop.cli import compare_adapted as report
     from kvpop.cli import main as kvpop_main
     from kvpop.evaluate import harness
     from kvpop.testing import save_tiny_model

@@ -9,17 +9,15 @@ import pytest
 import torch
 
 import kvpop
-from kvpop.adapters import (
+from kvpop.adapt.config import DEFAULT_LORA_TARGETS
+from kvpop.adapt.lora import add_lora, lora_config, save_adapter_bundle
+from kvpop.bundle import (
     ADAPTER_META_FILE,
-    DEFAULT_LORA_TARGETS,
     SCORER_FILE,
     AdapterMismatchError,
-    add_lora,
     base_fingerprint,
     load_adapter_bundle,
-    lora_config,
     read_bundle_meta,
-    save_adapter_bundle,
     teacher_mode,
 )
 from kvpop.checkpoint import model_fingerprint
@@ -252,7 +250,7 @@ def shipped_copy(tmp_path):
 @pytest.mark.parametrize("name", [ADAPTER_META_FILE, "adapter_config.json"])
 @pytest.mark.parametrize("text", ["", "{not json", "[1, 2]"])
 def test_invalid_bundle_json_is_one_line_naming_the_file(shipped_copy, name, text):
-    from kvpop.adapters import check_adapter_bundle
+    from kvpop.bundle import check_adapter_bundle
 
     (shipped_copy / name).write_text(text)
     for read in (check_adapter_bundle, lambda p: kvpop.load_model(adapter=p, progress=False)):

@@ -6,7 +6,8 @@ import warnings
 import pytest
 
 from kvpop.checkpoint import model_fingerprint, save_scorer
-from kvpop.cli import demo_prompt, main
+from kvpop.cli import main
+from kvpop.cli.generate import demo_prompt
 from kvpop.scorers import ScorerConfig, build_scorer
 from kvpop.testing import save_tiny_model
 
@@ -131,7 +132,7 @@ def test_generate_scorer_path_picks_its_policy(tiny, capsys, kind, policy):
 
 
 def test_train_kind_flag():
-    from kvpop.train import build_parser, config_from_args
+    from kvpop.cli.train import build_parser, config_from_args
 
     assert config_from_args(build_parser().parse_args(["--kind", "mlp", "--out", "x"])).scorer == "mlp"
     with pytest.raises(SystemExit):
@@ -139,7 +140,7 @@ def test_train_kind_flag():
 
 
 def test_eval_scorer_is_a_path_routed_by_its_kind(tiny, tmp_path, capsys):
-    from kvpop.evaluate.cli import build_parser, config_from_args
+    from kvpop.cli.eval import build_parser, config_from_args
 
     _, paths = tiny
     args = build_parser().parse_args(["--out", "x", "--scorer", str(paths["mlp"]), "--scorer", str(paths["mlstm"])])
@@ -150,7 +151,7 @@ def test_eval_scorer_is_a_path_routed_by_its_kind(tiny, tmp_path, capsys):
     twice = build_parser().parse_args(["--out", "x", "--scorer", str(paths["mlp"]), "--scorer", str(paths["mlp"])])
     with pytest.raises(ValueError, match="two --scorer checkpoints of policy kvpop-mlp"):
         config_from_args(twice)
-    from kvpop.evaluate.cli import main as eval_main
+    from kvpop.cli.eval import main as eval_main
 
     assert eval_main(["--out", str(tmp_path), "--scorer", str(tmp_path / "missing.safetensors")]) == 2
     assert "no scorer checkpoint at" in capsys.readouterr().err
@@ -188,8 +189,8 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
     import argparse
 
     from kvpop import checkpoint
-    from kvpop.adapters import add_lora, save_adapter_bundle
-    from kvpop.cli import _compare_adapter, _generate_adapter
+    from kvpop.adapt.lora import add_lora, save_adapter_bundle
+    from kvpop.cli.generate import _compare_adapter, _generate_adapter
     from kvpop.testing import tiny_model
 
     root, _ = tiny
@@ -266,7 +267,7 @@ def test_dense_runs_the_model_the_default_runs_with_the_shipped_bundle():
     import argparse
 
     from kvpop import checkpoint
-    from kvpop.cli import _bundle_policy, _compare_adapter, _generate_adapter
+    from kvpop.cli.generate import _bundle_policy, _compare_adapter, _generate_adapter
 
     try:
         checkpoint.default_adapter_path()

@@ -11,7 +11,7 @@ import pytest
 
 import kvpop.models
 from kvpop.cli import main
-from kvpop.options import model_position_limit
+from kvpop.cli.options import model_position_limit
 
 NOT_UTF8 = b"The capital of \xff France is"
 
@@ -112,7 +112,7 @@ def test_a_bounded_budget_within_the_limit_and_dense_pass_the_checks(tmp_path):
     """The checks refuse only what is wrong: the limit itself, and dense with any budget (dense ignores it)."""
     import argparse
 
-    from kvpop.cli import _check_args, _check_budget_fits
+    from kvpop.cli.generate import _check_args, _check_budget_fits
 
     root = tmp_path
     model = Path(_argv(["generate", "--model", "{model}"], root)[2])

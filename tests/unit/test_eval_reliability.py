@@ -15,7 +15,7 @@ import torch
 import kvpop.models
 from kvpop.checkpoint import model_fingerprint, save_scorer
 from kvpop.cli import main as kvpop_main
-from kvpop.evaluate.cli import main
+from kvpop.cli.eval import main
 from kvpop.evaluate.store import RecordStore, StoreMismatch, load_dirs
 from kvpop.scorers import ScorerConfig, build_scorer
 from kvpop.testing import save_tiny_model

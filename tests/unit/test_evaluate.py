@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvpop import EvictionConfig, KVpopCache
+from kvpop.cli.eval import main
 from kvpop.compat import cache_kwargs
 from kvpop.evaluate import (
     DenseOutputs,
@@ -20,7 +21,6 @@ from kvpop.evaluate import (
     sums_from_logits,
     teacher_forced,
 )
-from kvpop.evaluate.cli import main
 from kvpop.evaluate.core import oracle_targets_multi
 from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from kvpop import EvictionConfig
+from kvpop.cli.eval import main
 from kvpop.evaluate import EvalConfig, PolicyUnavailable, bootstrap_mean, bootstrap_pooled, merge, run_eval
-from kvpop.evaluate.cli import main
 from kvpop.evaluate.core import build_cache, nll_positions, oracle_targets_multi
+from kvpop.evaluate.quality import Sums, hidden_states
 from kvpop.evaluate.stats import aggregate
 from kvpop.evaluate.store import StoreMismatch
 from kvpop.evaluate.tasks import (
@@ -23,7 +24,6 @@ from kvpop.evaluate.tasks import (
     multikey_result,
     needle_cases,
 )
-from kvpop.quality import Sums, hidden_states
 from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer
 
 warnings.filterwarnings("ignore", category=FutureWarning)

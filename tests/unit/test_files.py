@@ -146,7 +146,7 @@ _SAVE_CHILD = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
     import torch
-    from kvpop.adapters import add_lora, lora_config, save_adapter_bundle
+    from kvpop.adapt.lora import add_lora, lora_config, save_adapter_bundle
     from kvpop.testing import tiny_model
 
     path = Path(sys.argv[1])
@@ -169,7 +169,7 @@ _SAVE_CHILD = textwrap.dedent("""
 def test_save_adapter_bundle_killed_mid_swap_leaves_a_bundle(tmp_path):
     """The reported bug: the old save renamed the bundle away, then the new one in; killed between
     the two, no bundle was left at the path (and nothing put it back)."""
-    from kvpop.adapters import read_bundle_meta
+    from kvpop.bundle import read_bundle_meta
 
     path = tmp_path / "adapter"
     child = subprocess.Popen([sys.executable, "-c", _SAVE_CHILD, str(path)], stdout=subprocess.PIPE, text=True)
@@ -184,7 +184,7 @@ def test_save_adapter_bundle_killed_mid_swap_leaves_a_bundle(tmp_path):
 
 def test_saved_files_get_the_users_umask(tmp_path):
     """A scorer checkpoint was written 0600 (safetensors recreates the file with that mode)."""
-    from kvpop.adapters import add_lora, lora_config, save_adapter_bundle
+    from kvpop.adapt.lora import add_lora, lora_config, save_adapter_bundle
     from kvpop.checkpoint import save_scorer
     from kvpop.scorers import ScorerConfig, build_scorer
 
@@ -205,7 +205,8 @@ def test_saved_files_get_the_users_umask(tmp_path):
 
 
 def test_save_adapter_bundle_keeps_the_previous_bundle_on_a_failed_write(tmp_path, monkeypatch):
-    from kvpop.adapters import add_lora, lora_config, read_bundle_meta, save_adapter_bundle
+    from kvpop.adapt.lora import add_lora, lora_config, save_adapter_bundle
+    from kvpop.bundle import read_bundle_meta
 
     peft_model = add_lora(tiny_model("llama"), lora_config(r=2))
     save_adapter_bundle(peft_model, None, tmp_path / "adapter", meta={"steps": 1})
@@ -255,7 +256,7 @@ def test_every_json_the_package_ships_is_strict():
 
 def test_train_refuses_an_unwritable_out_before_the_model_loads(tmp_path, docs, monkeypatch, capsys):
     import kvpop.models
-    from kvpop.train import main
+    from kvpop.cli.train import main
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
@@ -270,7 +271,7 @@ def test_train_refuses_an_unwritable_out_before_the_model_loads(tmp_path, docs, 
 
 def test_adapt_refuses_an_unwritable_out_before_the_model_loads(tmp_path, monkeypatch, capsys):
     import kvpop.models
-    from kvpop.adapt import main
+    from kvpop.cli.adapt import main
 
     monkeypatch.setattr(kvpop.models, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     (tmp_path / "file").write_text("x")

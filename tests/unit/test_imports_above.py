@@ -12,40 +12,25 @@ ABOVE = [
     "evaluate",
     "bench",
     "data",
-    "cli.py",
-    "options.py",
-    "runs.py",
-    "quality.py",
-    "plotting.py",
-    "compare.py",
+    "cli",
     "serving",
 ]
 # (file, imported module) -> why it is imported inside a function
 DEFERRED = {
-    ("plotting.py", "matplotlib"): "heavy (~0.5 s); only the PNG writers need it",
-    ("plotting.py", "matplotlib.pyplot"): "heavy (~0.5 s); only the PNG writers need it",
+    ("evaluate/plotting.py", "matplotlib"): "heavy (~0.5 s); only the PNG writers need it",
+    ("evaluate/plotting.py", "matplotlib.pyplot"): "heavy (~0.5 s); only the PNG writers need it",
     ("bench/gpu.py", "torch._dynamo"): "only the CUDA target rows raise dynamo's cache limit",
     ("bench/gpu.py", "..testing"): "test scaffolding (tiny models) for the parity part, kept out of the CLI's imports",
     ("serving/vllm/__init__.py", "."): "the backend module imports vLLM: loaded when vLLM calls the plugin",
-    # the command lines: torch, transformers and the model code load when a command runs, so `kvpop --help`, every
-    # subcommand's parser and a bad argument answer at once (tests/unit/test_cli_speed.py)
-    ("cli.py", "."): "the runtime (models, cache, checkpoint, adapters, policies): loaded when a command runs",
-    ("cli.py", ".generate"): "the runtime: loaded when `kvpop generate` runs",
-    ("cli.py", ".data"): "the corpora (they import torch): only --demo-prompt reads one",
-    ("cli.py", ".bench"): "the benchmarks import torch: loaded when `kvpop bench NAME` runs",
-    ("cli.py", ".train.cli"): "a subcommand's own parser and run, loaded when it is named",
-    ("cli.py", ".train.diagnose"): "a subcommand's own parser and run, loaded when it is named",
-    ("cli.py", ".adapt.cli"): "a subcommand's own parser and run, loaded when it is named",
-    ("cli.py", ".adapt.report"): "a subcommand's own parser and run, loaded when it is named",
-    ("cli.py", ".evaluate.cli"): "a subcommand's own parser and run, loaded when it is named",
-    ("cli.py", ".serving.vllm.serve"): "a subcommand's own parser and run, loaded when it is named",
-    ("compare.py", ".generate"): "the runtime: `kvpop generate --compare` runs it, the parser needs only the table",
-    ("options.py", "."): "the model loader and scorer headers (torch): the parsers built from options need neither",
-    ("options.py", "transformers.utils"): "transformers' progress bar switch, used when a model loads",
-    ("options.py", "torch.distributed"): "ends a torchrun process group after a training run",
-    ("train/cli.py", ".loop"): "the training loop (torch, the model code) loads once a checked run starts",
-    ("adapt/cli.py", ".loop"): "the adaptation loop (torch, the model code) loads once a checked run starts",
-    ("evaluate/cli.py", ".suite"): "`kvpop eval tasks`: the task suite's own parser and run, loaded when it is named",
+    # the parsers of the command lines read these modules: torch loads when a command runs, so every subcommand's
+    # --help and a bad argument answer at once (tests/unit/test_cli_speed.py)
+    ("serving/vllm/__init__.py", ".settings"): "the settings import the cache (torch); `kvpop serve`'s parser not",
+    ("evaluate/__init__.py", ".harness"): "IN_DOMAIN is read on first use, not at import",
+    ("train/config.py", "torch"): "only a device other than the CPU is checked with torch",
+    ("adapt/config.py", "torch"): "only a device other than the CPU is checked with torch",
+    ("adapt/config.py", "..checkpoint"): "the starting scorer's header (torch, safetensors), read when a run checks it",
+    ("data/packing.py", "torch"): "the corpora's names and splits are read without torch (the parsers' defaults)",
+    ("evaluate/tasks.py", "torch"): "the task names and case text are read without torch (`kvpop eval`'s parser)",
     (
         "evaluate/humaneval.py",
         "..data.base",
@@ -61,9 +46,25 @@ DEFERRED = {
 }
 # command modules whose every import of the runtime waits until the command runs (their parsers and refusals
 # answer without torch): each in-function import there is deferred on purpose
+COMMAND = "a command line: the runtime (torch, the model code) loads when the command runs, its parser needs none"
 DEFERRED_MODULES = {
     "evaluate/suite.py": "`kvpop eval tasks`: parser, refusals and --report answer without loading a model",
     "serving/vllm/serve.py": "`kvpop serve`: the model is resolved and refused offline before vLLM or torch loads",
+    "bench/generate.py": "`kvpop bench generate`: " + COMMAND,
+    **{
+        f"cli/{name}.py": COMMAND
+        for name in (
+            "__init__",
+            "generate",
+            "compare",
+            "options",
+            "train",
+            "adapt",
+            "eval",
+            "diagnose",
+            "compare_adapted",
+        )
+    },
 }
 
 

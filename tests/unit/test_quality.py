@@ -1,4 +1,4 @@
-"""The one quality probe (kvpop.quality): what lm and continuation score, that one forward under the cache
+"""The one quality probe (kvpop.evaluate.quality): what lm and continuation score, that one forward under the cache
 equals feeding it token by token, pooling, wins, and that train, adapt and eval call the same measurement."""
 
 import math
@@ -8,7 +8,7 @@ import torch
 
 from kvpop import make_cache
 from kvpop.compat import cache_kwargs
-from kvpop.quality import (
+from kvpop.evaluate.quality import (
     DenseOutputs,
     Probe,
     Sums,

@@ -343,7 +343,7 @@ def test_a_model_fine_tuned_in_a_later_layer_is_another_model(tmp_path):
 def test_a_merged_lora_without_k_proj_is_another_model_and_an_unmerged_one_the_base(tmp_path):
     import copy
 
-    from kvpop.adapters import add_lora, lora_config
+    from kvpop.adapt.lora import add_lora, lora_config
     from kvpop.checkpoint import ScorerMismatchError, load_scorer, model_fingerprint
 
     model = tiny_model("llama")
@@ -523,7 +523,7 @@ def test_a_budget_beyond_the_models_positions_is_refused():
     ],
 )
 def test_train_cli_refuses_bad_arguments_before_loading(tmp_path, extra, needle, monkeypatch, capsys):
-    from kvpop.train import main
+    from kvpop.cli.train import main
 
     _no_model_load(monkeypatch)
     out = tmp_path / "run"
@@ -541,7 +541,7 @@ def test_train_cli_refuses_bad_arguments_before_loading(tmp_path, extra, needle,
 
 @pytest.fixture
 def bundle(tmp_path):
-    from kvpop.adapters import add_lora, lora_config, save_adapter_bundle
+    from kvpop.adapt.lora import add_lora, lora_config, save_adapter_bundle
     from kvpop.scorers import ScorerConfig, build_scorer
 
     model = tiny_model("llama")
@@ -550,7 +550,7 @@ def bundle(tmp_path):
 
 
 def test_a_bundle_without_its_weights_is_a_clear_error(bundle):
-    from kvpop.adapters import load_adapter_bundle
+    from kvpop.bundle import load_adapter_bundle
 
     (bundle / "adapter_model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="has no adapter_model.safetensors"):
@@ -558,7 +558,7 @@ def test_a_bundle_without_its_weights_is_a_clear_error(bundle):
 
 
 def test_a_truncated_bundle_is_a_clear_error(bundle):
-    from kvpop.adapters import load_adapter_bundle
+    from kvpop.bundle import load_adapter_bundle
 
     data = (bundle / "adapter_model.safetensors").read_bytes()
     (bundle / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])

@@ -14,10 +14,11 @@ import torch
 
 from kvpop.adapt import AdaptConfig, adapt
 from kvpop.checkpoint import model_fingerprint, save_scorer
-from kvpop.runs import Run, plain, read_state, write_state
+from kvpop.cli.train import main
 from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer, write_word_docs
-from kvpop.train import TrainConfig, main, train
+from kvpop.train import TrainConfig, train
 from kvpop.train.loop import build_run_scorer, trained_for
+from kvpop.train.runs import Run, plain, read_state, write_state
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

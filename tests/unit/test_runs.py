@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvpop.adapt import AdaptConfig, adapt
-from kvpop.runs import Run, cosine_schedule, resume_mismatch
 from kvpop.testing import tiny_model, tiny_tokenizer, write_word_docs
 from kvpop.train import TrainConfig, train
+from kvpop.train.runs import Run, cosine_schedule, resume_mismatch
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "runs_v0"
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
+from kvpop.cli.eval import main as eval_main
 from kvpop.evaluate import humaneval, ruler
-from kvpop.evaluate.cli import main as eval_main
 from kvpop.evaluate.store import StoreMismatch
 from kvpop.evaluate.suite import SuiteConfig, generate_batch, markdown, report, run_suite, summarize
 from kvpop.testing import tiny_model, tiny_tokenizer

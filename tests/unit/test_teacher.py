@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpop.rule import kept_mask_static
-from kvpop.teacher import static_priority, teacher_labels
 from kvpop.testing.rule import teacher_labels_bruteforce
+from kvpop.train.teacher import static_priority, teacher_labels
 
 
 def _eq(a, b):

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from kvpop.checkpoint import ScorerMismatchError, load_scorer, read_header, save_scorer
+from kvpop.cli.train import main
 from kvpop.scorers import ScorerConfig, build_scorer
 from kvpop.testing import save_tiny_model, tiny_model, tiny_tokenizer, write_word_docs
-from kvpop.train import TrainConfig, main, train
+from kvpop.train import TrainConfig, train
 from kvpop.train.labels import Labels, decision_weights, labels_for, layer_loss, margins
 
 

@@ -1,3 +1,3 @@
-from .cli import main
+from ..cli.adapt import main  # the command line of `python -m kvpop.adapt` (torchrun): kvpop.cli.adapt
 
 raise SystemExit(main())

@@ -8,18 +8,16 @@ import random
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import torch
-
-from ..adapters import DEFAULT_LORA_TARGETS
-from ..checkpoint import read_header
 from ..config import EvictionConfig, TrainedSettings, resolve_eviction
 from ..data import CORPORA
-from ..runs import RunSettings
-from ..train.config import TRAIN_CORPORA
+from ..train.config import TRAIN_CORPORA, RunSettings
 
 MASKS = ("kvpop", "streaming")
 KL_POSITIONS = ("all", "evicted")
 KL_TAILS = ("bucket", "renormalize")
+# the rows of the adaptation report (kvpop compare-adapted), in table order: its parser offers them
+ROW_ORDER = ("adapted kvpop", "base kvpop", "adapted streaming", "base streaming", "adapted dense", "streaming+ dense")
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 # Fields that change what a checkpoint means: a resumed run must agree on them (plus the resolved
 # windows and lam, the starting scorer's content hash and the base model's fingerprint).
@@ -127,6 +125,8 @@ class AdaptConfig(RunSettings):
         if self.scorer is None:
             return {}
         if self._scorer_header is None:
+            from ..checkpoint import read_header  # torch: the parser and the other checks load none
+
             self._scorer_header = read_header(self.scorer)
         return self._scorer_header
 
@@ -290,5 +290,7 @@ class AdaptConfig(RunSettings):
             if self.gradient_checkpointing:
                 # the recomputation runs in autograd's device thread, outside the mask's context
                 raise ValueError("gradient_checkpointing is for CPU runs (on a GPU, memory is not the limit)")
+            import torch  # only a device other than the CPU needs it
+
             if not torch.device(self.device).type == "cuda" or not torch.cuda.is_available():
                 raise ValueError(f"device {self.device!r} is not available here (use cpu, or cuda on a CUDA machine)")

@@ -2,7 +2,7 @@
 
 One step on a window of ``seq_len`` tokens (method.md section 5, "Adapting the LLM"):
 
-1. **teacher** -- the frozen base model (adapter off: :func:`kvpop.adapters.teacher_mode`),
+1. **teacher** -- the frozen base model (adapter off: :func:`kvpop.bundle.teacher_mode`),
    dense, no grad: its top-``k`` next-token logits per position (only those are kept);
 2. **scorer inputs** -- (joint runs) the *adapted* model, dense, no grad, adapter on: keys,
    values, future-attention targets and observed attention of every layer
@@ -23,7 +23,7 @@ One step on a window of ``seq_len`` tokens (method.md section 5, "Adapting the L
 Both updates use the same weights (the state before the step). Under ``torchrun`` each rank
 takes its own sequences; the gradients of the LoRA weights and of the scorer are averaged over
 ranks (one all-reduce each), so all ranks hold the same weights. Checkpoints: the adapter bundle
-(:func:`kvpop.adapters.save_adapter_bundle`, scorer and metadata inside) in ``out/adapter``
+(:func:`kvpop.adapt.lora.save_adapter_bundle`, scorer and metadata inside) in ``out/adapter``
 every ``ckpt_every`` steps, the best one by validation retention in ``out/best``, and
 ``out/train_state.pt`` (trainable weights, scorer, both optimizers and schedulers, step,
 history) for resume; all written atomically. ``--mask streaming`` is the StreamingLLM+ control:
@@ -45,15 +45,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import models
-from ..adapters import SCORER_FILE, add_lora, base_model, lora_config, save_adapter_bundle
+from ..bundle import SCORER_FILE
 from ..checkpoint import load_scorer, model_fingerprint, save_scorer
 from ..compat import enable_checkpointing
 from ..files import atomic_dir, atomic_write
 from ..mask import learned_priority_fn, masked_eviction
-from ..runs import Run, cosine_schedule, write_state
 from ..train.data import Example, SequenceSource, capture_example
 from ..train.labels import labels_for, layer_loss
+from ..train.runs import Run, cosine_schedule, write_state
 from .config import AdaptConfig
+from .lora import add_lora, base_model, lora_config, save_adapter_bundle
 from .quality import AdaptProbe
 from .restart import BundleStart, bundle_start, load_bundle_weights
 
@@ -319,7 +320,7 @@ def save_bundle(model, scorer, path: Path, cfg: AdaptConfig, step: int, tokenize
 
 
 class Adaptation:
-    """The program :class:`kvpop.runs.Run` drives: one step of the top-k KL into the trainable weights
+    """The program :class:`kvpop.train.runs.Run` drives: one step of the top-k KL into the trainable weights
     (and, ``joint``, the boundary loss into the scorer), validation against the base model's dense
     outputs, adapter bundles as checkpoints."""
 

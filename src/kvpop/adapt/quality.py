@@ -22,16 +22,17 @@ from pathlib import Path
 
 import torch
 
-from ..adapters import base_model, load_adapter_bundle, read_bundle_meta
+from ..bundle import load_adapter_bundle, read_bundle_meta
 from ..cache import make_cache
 from ..checkpoint import load_scorer
 from ..config import TrainedSettings, resolve_eviction
+from ..evaluate.quality import DocumentScore, Probe, Scores, Sums, hidden_states, score_document
 from ..policies import LearnedPolicy
-from ..quality import DocumentScore, Probe, Scores, Sums, hidden_states, score_document
 from ..train.data import SequenceSource
 from ..train.quality import VALIDATION_SEED
 from ..validate import parse_shard
 from .config import AdaptConfig
+from .lora import base_model
 
 __all__ = ["AdaptProbe", "Comparison", "compare_adapted", "merge_validations"]
 
@@ -289,7 +290,7 @@ class Comparison:
     @torch.no_grad()
     def row(self, name: str, ids: torch.Tensor, base_hidden: torch.Tensor) -> dict[int, DocumentScore]:
         """``{budget: DocumentScore}`` of one row on one document against the base model's dense outputs
-        (:func:`kvpop.quality.score_document`: ``lm`` over positions ``>= B``, ``continuation`` over the
+        (:func:`kvpop.evaluate.quality.score_document`: ``lm`` over positions ``>= B``, ``continuation`` over the
         last ``S / 16`` predictions, as ``kvpop eval``'s tasks; a dense row at each budget too)."""
         ids = ids.view(-1).cpu()
         m, policy, _ = self.rows[name]

@@ -13,7 +13,6 @@ reruns only its own rows. Every finished process rewrites ``results.json``, ``ta
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import sys
@@ -25,15 +24,15 @@ from tqdm.auto import tqdm
 from .. import models
 from ..config import budget_of_compression
 from ..evaluate import harness
+from ..evaluate.plotting import pyplot, save_figure
+from ..evaluate.quality import Sums, doc_key, wins
 from ..evaluate.stats import bootstrap_pooled, sums_from_dict, sums_to_dict
 from ..evaluate.store import RecordStore, StoreMismatch
 from ..files import atomic_write
-from ..plotting import pyplot, save_figure
-from ..quality import Sums, doc_key, wins
 from ..validate import parse_shard
+from .config import ROW_ORDER
 from .quality import Comparison
 
-ROW_ORDER = ("adapted kvpop", "base kvpop", "adapted streaming", "base streaming", "adapted dense", "streaming+ dense")
 LABELS = {
     "adapted kvpop": "kvpop, adapted",
     "base kvpop": "kvpop, base model",
@@ -44,56 +43,6 @@ LABELS = {
 }
 SUBJECT = "adapted kvpop"  # the per-document win/loss counts are of this row against each other row
 DOMAINS = ("in_domain", "out_of_domain", "all")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvpop compare-adapted",
-        description="Retention (against the BASE model's dense outputs) of the adapted model under kvpop, the base "
-        "model under kvpop, StreamingLLM+ and StreamingLLM, and the adapted models dense, on the test documents of "
-        "the evaluation corpora. Resumable (rerun the same command) and splittable (--shard i/n per process).",
-    )
-    p.add_argument("--bundle", required=True, help="kvpop adapter bundle with its scorer (kvpop adapt --mask kvpop)")
-    p.add_argument(
-        "--streaming-bundle",
-        default=None,
-        help="the StreamingLLM+ control (kvpop adapt --mask streaming); without it, StreamingLLM+ is the "
-        "kvpop bundle's adapter under the window mask",
-    )
-    p.add_argument(
-        "--base-scorer",
-        default=None,
-        help="scorer for the base-model kvpop row (default: the scorer the bundle started from)",
-    )
-    p.add_argument("--model", default=None, help="the base model (default: embedded SmolLM2)")
-    p.add_argument("--out", required=True, help="output folder (records/, results.json, table.md, adapt.png)")
-    p.add_argument(
-        "--compression",
-        type=float,
-        nargs="+",
-        default=[0.75, 0.875],
-        help="budgets as compression of --doc-tokens (default 0.75 0.875)",
-    )
-    p.add_argument("--doc-tokens", type=int, default=4096)
-    p.add_argument("--docs", type=int, default=2, help="test documents per corpus")
-    p.add_argument("--corpora", nargs="+", default=None, help="default: the evaluation corpora")
-    p.add_argument(
-        "--rows",
-        nargs="+",
-        choices=ROW_ORDER,
-        default=None,
-        metavar="ROW",
-        help=f"run only these rows (default all): {', '.join(repr(r) for r in ROW_ORDER)}",
-    )
-    p.add_argument("--shard", default=None, help="i/n: this process takes documents i, i+n, ... (1-based)")
-    p.add_argument(
-        "--no-merge-lora",
-        dest="merge",
-        action="store_false",
-        help="keep the LoRA adapters unmerged (slower; the merged weights are equal up to rounding)",
-    )
-    p.add_argument("--no-progress", action="store_true")
-    return p
 
 
 def _sha(path: Path) -> str:
@@ -268,8 +217,8 @@ def write(records: list[dict], budgets: list[int], settings: dict, out: Path) ->
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args) -> int:
+    """``kvpop compare-adapted`` once its arguments are parsed (:mod:`kvpop.cli.compare_adapted`)."""
     try:
         budgets, shard = _check(args)
     except (ValueError, FileNotFoundError) as exc:
@@ -354,7 +303,3 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     print(f"wrote {out / 'results.json'}, {out / 'table.md'}, {out / 'adapt.png'}", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

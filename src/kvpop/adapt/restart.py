@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..adapters import ADAPTER_FILES, base_fingerprint, check_adapter_bundle, set_adapter_weights
+from ..bundle import ADAPTER_FILES, base_fingerprint, check_adapter_bundle, set_adapter_weights
 from ..checkpoint import fingerprint_diff, read_tensors
 from .config import AdaptConfig
 

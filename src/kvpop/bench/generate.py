@@ -19,75 +19,78 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from .. import models
-from ..compat import cache_kwargs
-from ..options import load_model_quietly
-from ..plotting import pyplot, save_figure
-from .common import cache_for_spec, kv_bytes, median, parse_policy, peak_rss_bytes, rss_bytes, text_ids, write_json
-
+# torch, the model code and the plots load inside the functions that run a benchmark, so the parser (`kvpop bench
+# generate --help`, a bad argument) answers at once
 DEFAULT_POLICIES = "dense,floor@512,streaming@512,kvpop@512,kvpop@512+compile,kvpop-mlp@512+compile"
 
 
-@torch.no_grad()
 def run_one(
     spec: str, lengths: list[int], decode_steps: int, mode: str, model_path: str | None, threads: int | None
 ) -> dict:
-    if threads:
-        torch.set_num_threads(threads)
-    model, tok = models.load_model(model_path, progress=False)
-    total = max(lengths) + decode_steps * len(lengths) + 1
-    ids = text_ids(tok, total)
-    cache = cache_for_spec(model, spec)
-    pos = 0
-    rows = []
-    base_rss = rss_bytes()
-    floor = spec.startswith("floor@")
-    for length in lengths:
-        if floor:
-            # the floor's step does not depend on the context: B slots, refilled to just under B
-            budget = parse_policy(spec)[1]
-            if budget <= decode_steps + 1:
-                raise SystemExit(f"{spec}: the budget must exceed --decode-steps + 1")
-            cache.reset()
-            start = budget - decode_steps - 1
-            model(ids[:, :start], **cache_kwargs(cache), logits_to_keep=1)
-            pos = start
-        elif mode == "prefill":
-            # pieces of at most 1024 tokens, last-position logits only: the transient memory of a
-            # long prefill (a [T, vocab] logits tensor) would otherwise dominate the peak RSS
-            while pos < length:
-                end = min(length, pos + 1024)
-                model(ids[:, pos:end], **cache_kwargs(cache), logits_to_keep=1)
-                pos = end
-        else:
-            while pos < length:
+    import torch
+
+    from .. import models
+    from ..compat import cache_kwargs
+    from .common import cache_for_spec, kv_bytes, median, parse_policy, peak_rss_bytes, rss_bytes, text_ids
+
+    with torch.no_grad():
+        if threads:
+            torch.set_num_threads(threads)
+        model, tok = models.load_model(model_path, progress=False)
+        total = max(lengths) + decode_steps * len(lengths) + 1
+        ids = text_ids(tok, total)
+        cache = cache_for_spec(model, spec)
+        pos = 0
+        rows = []
+        base_rss = rss_bytes()
+        floor = spec.startswith("floor@")
+        for length in lengths:
+            if floor:
+                # the floor's step does not depend on the context: B slots, refilled to just under B
+                budget = parse_policy(spec)[1]
+                if budget <= decode_steps + 1:
+                    raise SystemExit(f"{spec}: the budget must exceed --decode-steps + 1")
+                cache.reset()
+                start = budget - decode_steps - 1
+                model(ids[:, :start], **cache_kwargs(cache), logits_to_keep=1)
+                pos = start
+            elif mode == "prefill":
+                # pieces of at most 1024 tokens, last-position logits only: the transient memory of a
+                # long prefill (a [T, vocab] logits tensor) would otherwise dominate the peak RSS
+                while pos < length:
+                    end = min(length, pos + 1024)
+                    model(ids[:, pos:end], **cache_kwargs(cache), logits_to_keep=1)
+                    pos = end
+            else:
+                while pos < length:
+                    model(ids[:, pos : pos + 1], **cache_kwargs(cache))
+                    pos += 1
+            lat = []
+            for _ in range(decode_steps):
+                t0 = time.perf_counter()
                 model(ids[:, pos : pos + 1], **cache_kwargs(cache))
+                lat.append(time.perf_counter() - t0)
                 pos += 1
-        lat = []
-        for _ in range(decode_steps):
-            t0 = time.perf_counter()
-            model(ids[:, pos : pos + 1], **cache_kwargs(cache))
-            lat.append(time.perf_counter() - t0)
-            pos += 1
-        if floor:
-            pos = length  # the other policies' text position, for the next checkpoint's bookkeeping
-        rows.append(
-            {
-                "length": length,
-                "decode_ms_median": 1000 * median(lat),
-                "kv_bytes": kv_bytes(cache),
-                "rss_bytes": rss_bytes(),
-                "peak_rss_bytes": peak_rss_bytes(),
-                "rss_over_start_bytes": rss_bytes() - base_rss,
-            }
-        )
-        print(json.dumps({"policy": spec, **rows[-1]}), file=sys.stderr)
-    return {"policy": spec, "rows": rows}
+            if floor:
+                pos = length  # the other policies' text position, for the next checkpoint's bookkeeping
+            rows.append(
+                {
+                    "length": length,
+                    "decode_ms_median": 1000 * median(lat),
+                    "kv_bytes": kv_bytes(cache),
+                    "rss_bytes": rss_bytes(),
+                    "peak_rss_bytes": peak_rss_bytes(),
+                    "rss_over_start_bytes": rss_bytes() - base_rss,
+                }
+            )
+            print(json.dumps({"policy": spec, **rows[-1]}), file=sys.stderr)
+        return {"policy": spec, "rows": rows}
 
 
 def plot(results: dict, out: Path) -> Path:
+    from ..evaluate.plotting import pyplot, save_figure
+    from .common import median
+
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for r in results["runs"]:
@@ -123,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="results/bench_generate")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    import torch
+
+    from ..models import load_model_quietly
+    from .common import parse_policy, write_json
+
     lengths = [int(x) for x in args.lengths.split(",")]
     if args._worker:
         print(json.dumps(run_one(args._worker, lengths, args.decode_steps, args.mode, args.model, args.threads)))

@@ -46,7 +46,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 from ..cache import make_cache
 from ..checkpoint import default_scorer_path, load_scorer
 from ..compat import cache_kwargs
-from ..plotting import pyplot, save_figure
+from ..evaluate.plotting import pyplot, save_figure
 from ..policies import LearnedPolicy
 from ..rope import RopeSpec
 from ..scorers import build_scorer

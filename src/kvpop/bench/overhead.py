@@ -28,9 +28,10 @@ from transformers import DynamicCache, StaticCache
 
 from ..cache import make_cache
 from ..compat import cache_kwargs
-from ..options import load_model_quietly, policy_for_scorer
-from ..plotting import pyplot, save_figure
+from ..evaluate.plotting import pyplot, save_figure
+from ..models import load_model_quietly
 from ..policies import POLICIES, get_policy, policy_names
+from ..policies.learned import policy_for_scorer
 from .common import median, text_ids, write_json
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..compat import cache_kwargs
-from ..options import load_model_quietly
+from ..models import load_model_quietly
 from .common import cache_for_spec, median, text_ids, write_json
 
 

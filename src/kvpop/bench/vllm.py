@@ -31,8 +31,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from ..evaluate.plotting import pyplot, save_figure
 from ..models import convert_gguf, default_gguf_path
-from ..plotting import pyplot, save_figure
 from ..policies import POLICIES, TEACHER_FORCED_ONLY
 from .common import median, text_ids, write_json
 

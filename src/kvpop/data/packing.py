@@ -7,12 +7,20 @@ import math
 import os
 import random
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .base import Document
 from .corpora import CORPORA, load_documents
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _long_tensor(ids: list[int]) -> torch.Tensor:
+    """``ids`` as a long tensor; torch loads here, so reading the corpora (a parser's defaults) loads none."""
+    import torch
+
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -72,7 +80,7 @@ def iter_packed(
         buf.extend(_encode(tokenizer, doc.text))
         buf.append(int(eos))
         while len(buf) - start >= body:
-            yield torch.tensor(prefix + buf[start : start + body], dtype=torch.long)
+            yield _long_tensor(prefix + buf[start : start + body])
             start += body
         if start:
             del buf[:start]
@@ -110,7 +118,7 @@ def long_documents(
                 break
             ids = _encode(tokenizer, doc.text)
             if len(ids) >= min_tokens:
-                out.append(torch.tensor(ids[:min_tokens], dtype=torch.long))
+                out.append(_long_tensor(ids[:min_tokens]))
         return out
 
     parts: list[str] = []
@@ -123,7 +131,7 @@ def long_documents(
         if approx >= min_tokens:
             ids = _encode(tokenizer, "\n\n".join(parts))
             if len(ids) >= min_tokens:
-                out.append(torch.tensor(ids[:min_tokens], dtype=torch.long))
+                out.append(_long_tensor(ids[:min_tokens]))
                 parts, approx = [], 0
     return out
 
@@ -144,7 +152,7 @@ def _windows_of(
                 buf.extend(sep)
             buf.extend(_encode(tokenizer, doc.text.strip()))
             while len(buf) >= seq_len:
-                yield torch.tensor(buf[:seq_len], dtype=torch.long)
+                yield _long_tensor(buf[:seq_len])
                 buf = buf[seq_len:]
         return
     for doc in docs:
@@ -153,7 +161,7 @@ def _windows_of(
             continue
         offset = rng.randrange(len(ids) - seq_len + 1) % seq_len
         for start in range(offset, len(ids) - seq_len + 1, seq_len):
-            yield torch.tensor(ids[start : start + seq_len], dtype=torch.long)
+            yield _long_tensor(ids[start : start + seq_len])
 
 
 def training_windows(

@@ -10,26 +10,53 @@ Python API::
     results = run_eval(model, tok, EvalConfig(tasks=("lm",)), documents={"mine": [ids]}, out="runs/x")
 
 The measurement itself (one forward under the cache, scored against the dense forward) is
-:mod:`kvpop.quality`, the probe that training and adaptation use too.
+:mod:`kvpop.evaluate.quality`, the probe that training and adaptation use too.
 
-CLI: ``kvpop eval ...`` (see :mod:`kvpop.evaluate.cli`).
+CLI: ``kvpop eval ...`` (see :mod:`kvpop.cli.eval`).
 """
 
-from ..quality import DenseOutputs, Sums, sums_from_logits
-from .core import ALL_POLICIES, DENSE, PolicyUnavailable, build_cache, policy_available, teacher_forced
-from .harness import (
-    EvalConfig,
-    build_results,
-    check_policies,
-    merge,
-    quick_config,
-    run_eval,
-    shipped_training_corpora,
-    table,
-    write_results,
-)
-from .stats import aggregate, bootstrap_mean, bootstrap_pooled
-from .tasks import DEFAULT_TASKS, TASKS, greedy, multikey_cases, needle_cases
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
+    from .core import ALL_POLICIES, DENSE, PolicyUnavailable, build_cache, policy_available, teacher_forced
+    from .harness import (
+        EvalConfig,
+        build_results,
+        check_policies,
+        merge,
+        quick_config,
+        run_eval,
+        shipped_training_corpora,
+        table,
+        write_results,
+    )
+    from .quality import DenseOutputs, Sums, sums_from_logits
+    from .stats import aggregate, bootstrap_mean, bootstrap_pooled
+    from .tasks import DEFAULT_TASKS, TASKS, greedy, multikey_cases, needle_cases
+
+# the module (in this package) -> the public names it defines, imported on first use
+_MODULES: dict[str, tuple[str, ...]] = {
+    "quality": ("DenseOutputs", "Sums", "sums_from_logits"),
+    "core": ("ALL_POLICIES", "DENSE", "PolicyUnavailable", "build_cache", "policy_available", "teacher_forced"),
+    "harness": (
+        "EvalConfig",
+        "build_results",
+        "check_policies",
+        "merge",
+        "quick_config",
+        "run_eval",
+        "shipped_training_corpora",
+        "table",
+        "write_results",
+    ),
+    "stats": ("aggregate", "bootstrap_mean", "bootstrap_pooled"),
+    "tasks": ("DEFAULT_TASKS", "TASKS", "greedy", "multikey_cases", "needle_cases"),
+}
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "ALL_POLICIES",
@@ -62,7 +89,21 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
+    """A public name from its module, imported on first use: importing a submodule (the command lines read
+    ``kvpop.train.config``) loads no torch or model code it does not need."""
     if name == "IN_DOMAIN":  # read on first use, not at import (kvpop.evaluate.harness.shipped_training_corpora)
+        from .harness import shipped_training_corpora
+
         return shipped_training_corpora()
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")  # a submodule, as after the eager imports of old
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -1,9 +1,9 @@
 """Building blocks of the evaluation: policies by name, the oracle's targets, the window-only run,
-and :func:`teacher_forced`, the probe (:mod:`kvpop.quality`) on one document.
+and :func:`teacher_forced`, the probe (:mod:`kvpop.evaluate.quality`) on one document.
 
 Teacher-forced evaluation under a policy is ONE forward of the whole document through a fresh
 :class:`kvpop.KVpopCache` (the chunked prefill equals token-by-token feeding), scored against the
-dense forward of the same document (:func:`kvpop.quality.score_document`).
+dense forward of the same document (:func:`kvpop.evaluate.quality.score_document`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ..capture import capturing
 from ..config import EvictionConfig, attention_shape, resolve_eviction
 from ..mask import masked_eviction
 from ..policies import DENSE, POLICIES, TEACHER_FORCED_ONLY, OraclePolicy, Policy, policy_names
-from ..quality import CHUNK, DenseOutputs, decoder_and_head, hidden_states, logits_of, score_document
+from .quality import CHUNK, DenseOutputs, decoder_and_head, hidden_states, logits_of, score_document
 
 ORACLE = TEACHER_FORCED_ONLY[0]
 ALL_POLICIES = tuple(policy_names())
@@ -114,9 +114,9 @@ def teacher_forced(
     policy_kwargs: dict | None = None,
 ) -> dict:
     """Teacher-forced metrics of one document (1-D ids) under ``policy`` at ``budget``: the ``lm`` task
-    of :func:`kvpop.quality.score_document` (positions ``>= B``; every position when ``B`` leaves none,
+    of :func:`kvpop.evaluate.quality.score_document` (positions ``>= B``; every position when ``B`` leaves none,
     where the policy equals dense). ``"oracle"`` captures the document's true targets first. Returns
-    :meth:`kvpop.quality.Sums.metrics` plus ``scored_from``, ``continuation_retention`` and the
+    :meth:`kvpop.evaluate.quality.Sums.metrics` plus ``scored_from``, ``continuation_retention`` and the
     policy's ``wall_s``."""
     input_ids = input_ids.view(-1).cpu()
     if input_ids.numel() < 2:

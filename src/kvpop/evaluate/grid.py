@@ -25,7 +25,6 @@ from torch import Tensor
 from ..config import TrainedSettings, resolve_eviction
 from ..files import atomic_write
 from ..policies import Policy
-from ..quality import continuation_start, dense_logprobs, doc_key, hidden_states, lm_start, score_document
 from .core import (
     DENSE,
     ORACLE,
@@ -35,6 +34,7 @@ from .core import (
     policy_available,
     window_only_hidden,
 )
+from .quality import continuation_start, dense_logprobs, doc_key, hidden_states, lm_start, score_document
 from .stats import sums_to_dict
 from .store import unit_key
 from .tasks import agreement_result, greedy, multikey_result, needle_result
@@ -366,7 +366,7 @@ class ItemContext:
         return rec
 
     def _doc(self, cache, budget: int) -> dict:
-        """``lm`` and ``continuation`` of the probe (:func:`kvpop.quality.score_document`), each over all
+        """``lm`` and ``continuation`` of the probe (:func:`kvpop.evaluate.quality.score_document`), each over all
         its positions and over the long-dependency tokens (where the full context beats the window-only
         run by more than the threshold)."""
         ids = self.item.ids

@@ -40,11 +40,11 @@ from ..config import EvictionConfig, TrainedSettings, resolve_eviction
 from ..data import SPLITS, list_corpora, load_documents, long_documents, read_user_documents
 from ..policies import KIND_TO_POLICY
 from ..policies.learned import ADAPTER_ATTR
-from ..quality import default_continuation_tokens
 from ..validate import parse_shard
 from .core import ALL_POLICIES, DENSE, ORACLE, PolicyUnavailable, build_cache, policy_available
 from .grid import SHARED_DIR, Item, ItemContext, Settings, SharedStore, item_cost, partition, units_of
 from .plots import plot_results
+from .quality import default_continuation_tokens
 from .report import markdown_report, text_table
 from .stats import aggregate
 from .store import (

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..plotting import pyplot, save_figure
+from .plotting import pyplot, save_figure
 
 PRIMARY = {
     "lm": "retention",

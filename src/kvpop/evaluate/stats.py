@@ -15,7 +15,7 @@ from collections import defaultdict
 import numpy as np
 
 from ..policies import DENSE
-from ..quality import Sums, compare, tally
+from .quality import Sums, compare, tally
 
 REFERENCE = "streaming"
 TASK_ORDER = ("lm", "continuation", "needle", "multikey", "agreement")

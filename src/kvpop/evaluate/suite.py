@@ -166,8 +166,8 @@ def build_cases(
     """``{task: [Case]}``; ``filler`` (essay text) and ``problems`` (HumanEval rows) replace the defaults."""
     import torch
 
-    from ..quality import doc_key
     from . import humaneval, ruler
+    from .quality import doc_key
 
     notes = notes if notes is not None else []
     out: dict[str, list[Case]] = {}
@@ -625,7 +625,7 @@ def summarize(units: list[dict], sessions: list[dict], fp: dict, n_boot: int = 2
     """Rows (task, policy, budget) from unit records alone: mean score with a 95% bootstrap interval over
     cases, the score relative to dense on the same cases, per-case wins / losses / ties against
     StreamingLLM at the same budget, mean sequence length and seconds per case."""
-    from ..quality import compare, tally
+    from .quality import compare, tally
     from .stats import bootstrap_mean
 
     by_task: dict[str, list[dict]] = defaultdict(list)
@@ -800,7 +800,7 @@ def markdown(results: dict) -> str:
 def plot(results: dict, out: str | Path) -> Path | None:
     """``tasks.png``: score against compression per task, one line per policy (95% interval as error
     bars), dense as a dashed line."""
-    from ..plotting import pyplot, save_figure
+    from .plotting import pyplot, save_figure
 
     tasks = results["tasks"]
     if not tasks:
@@ -997,7 +997,7 @@ def config_from_args(args) -> SuiteConfig:
     if args.skip_unavailable:
         over["skip_unavailable"] = True
     if args.scorer:
-        from ..options import scorer_policy_kwargs
+        from ..policies.learned import scorer_policy_kwargs
 
         over["policy_kwargs"] = scorer_policy_kwargs(args.scorer)
     cfg = SuiteConfig(**over)
@@ -1030,7 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
         shard = parse_shard(args.shard)
     except (TypeError, ValueError, OSError) as exc:
         return _err(str(exc))
-    from ..options import load_model_quietly
+    from ..models import load_model_quietly
     from .core import PolicyUnavailable
     from .store import StoreMismatch
 

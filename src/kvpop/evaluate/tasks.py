@@ -21,11 +21,12 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, field
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from ..compat import cache_kwargs
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 TASKS = ("lm", "continuation", "needle", "multikey", "agreement")
 DEFAULT_TASKS = ("lm", "continuation", "needle", "multikey")
@@ -35,27 +36,29 @@ TEXT_TASKS = ("lm", "continuation", "agreement")  # tasks that run on a document
 # ------------------------------------------------------------------------------ generation
 
 
-@torch.no_grad()
 def greedy(model, tokenizer, prompt_ids: Tensor, max_new_tokens: int, cache=None, force_length: bool = False) -> Tensor:
     """Greedy new token ids (1-D) after ``prompt_ids`` (1-D), with ``cache`` (None: dense)."""
-    ids = prompt_ids.view(1, -1).to(model.device)
-    kw = {}
-    if force_length:
-        kw["min_new_tokens"] = max_new_tokens
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        **cache_kwargs(cache),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        pad_token_id=pad,
-        **kw,
-    )
-    return out[0, ids.shape[1] :].cpu()
+    import torch  # the task names and case text load without torch (the parser of kvpop eval reads them)
+
+    with torch.no_grad():
+        ids = prompt_ids.view(1, -1).to(model.device)
+        kw = {}
+        if force_length:
+            kw["min_new_tokens"] = max_new_tokens
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            **cache_kwargs(cache),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad,
+            **kw,
+        )
+        return out[0, ids.shape[1] :].cpu()
 
 
 def agreement_result(dense_new: Tensor, new: Tensor) -> dict:
@@ -133,6 +136,8 @@ class NeedleCase:
 
 def needle_cases(tokenizer, filler_text: str, lengths, depths, seed: int = 0) -> list[NeedleCase]:
     """One case per (length, depth): filler cut to fit ``length`` tokens, passkey sentence at ``depth``."""
+    import torch
+
     filler = _filler_ids(tokenizer, filler_text)
     cases = []
     for length in lengths:
@@ -224,6 +229,8 @@ def multikey_cases(
     them. Each case reads the filler from its own random offset, so cases differ in their text."""
     if not 1 <= n_keys <= len(MULTIKEY_NAMES):
         raise ValueError(f"n_keys must be in [1, {len(MULTIKEY_NAMES)}], got {n_keys}")
+    import torch
+
     filler = _filler_ids(tokenizer, filler_text)
     cases = []
     for length in lengths:

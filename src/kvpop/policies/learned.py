@@ -216,7 +216,7 @@ ADAPTER_ATTR = "kvpop_adapter"  # config attribute set by load_model(adapter=...
 @functools.lru_cache(maxsize=8)
 def _bundle_scorer(folder: str, mtime_ns: int):
     """The scorer of an adapter bundle folder and its ``trained_for`` (read once per file version)."""
-    from ..adapters import read_bundle_meta
+    from ..bundle import read_bundle_meta
     from ..checkpoint import load_scorer
 
     header = read_bundle_meta(folder)
@@ -288,3 +288,27 @@ def learned_policy_factory(kind: str):
         return LearnedPolicy(scorer, fingerprint=fingerprint, source=source, trained_for=trained)
 
     return make
+
+
+def policy_for_scorer(path: str, policy: str | None = None) -> str:
+    """The learned policy a scorer checkpoint belongs to (its kind, read from the file's header); a named
+    ``policy`` it cannot serve is a ``ValueError`` (worded for the command line's ``--scorer``)."""
+    from ..checkpoint import scorer_kind
+
+    kind = scorer_kind(path)
+    name = KIND_TO_POLICY[kind]
+    if policy is not None and policy != name:
+        raise ValueError(f"--scorer {path} is a {kind} scorer (policy {name}); it cannot serve --policy {policy}")
+    return name
+
+
+def scorer_policy_kwargs(paths) -> dict[str, dict]:
+    """``--scorer`` files as each learned policy's keyword arguments (``{"kvpop-mlp": {"path": ...}}``, the policy read
+    from each file's header); two files for one policy are an error."""
+    kw: dict[str, dict] = {}
+    for path in paths:
+        name = policy_for_scorer(path)
+        if name in kw:
+            raise ValueError(f"two --scorer checkpoints of policy {name}: {kw[name]['path']} and {path}")
+        kw[name] = {"path": path}
+    return kw

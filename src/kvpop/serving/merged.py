@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..adapters import ADAPTER_FILES, ADAPTER_META_FILE, check_adapter_bundle
+from ..bundle import ADAPTER_FILES, ADAPTER_META_FILE, check_adapter_bundle
 from ..files import atomic_dir
 from ..models import cache_dir, cache_lock, load_model
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..rule import NEVER, candidates, decide_one, ranks_above
-from ..teacher import TeacherLabels, finish_labels, label_steps, validate_labels_args
+from ..train.teacher import TeacherLabels, finish_labels, label_steps, validate_labels_args
 
 __all__ = ["decide_chunk_pairwise", "decide_chunk_sequential", "reference_rule", "teacher_labels_bruteforce"]
 
@@ -99,7 +99,7 @@ def decide_chunk_sequential(lr_prio, lr_idx, ex_prio, ex_idx, window):
 def teacher_labels_bruteforce(
     target: Tensor, window: int, budget_k: int, sinks: int, lam: float = 0.0, **steps
 ) -> TeacherLabels:
-    """Literal O(S * k) simulation of the teacher's rule: :func:`kvpop.teacher.teacher_labels`'s outputs
+    """Literal O(S * k) simulation of the teacher's rule: :func:`kvpop.train.teacher.teacher_labels`'s outputs
     (``steps``: its ``query_steps`` and ``min_future``)."""
     prio, window, budget_k, sinks = validate_labels_args(target, window, budget_k, sinks, lam)
     B, H, S = prio.shape

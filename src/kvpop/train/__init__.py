@@ -2,16 +2,54 @@
 
 * :mod:`.config`  -- :class:`TrainConfig`, validated before anything loads;
 * :mod:`.data`    -- the stream of training windows, their captures, the capture store;
-* :mod:`.labels`  -- teacher labels, the boundary (or MSE) loss, decision diagnostics;
+* :mod:`.teacher` -- teacher labels: which token the cache should evict at each step;
+* :mod:`.labels`  -- teacher labels per layer, the boundary (or MSE) loss, decision diagnostics;
 * :mod:`.quality` -- retention under the real cache on validation windows (model selection);
+* :mod:`.runs`    -- the run around the steps (ranks, resume state, checkpoints), shared with :mod:`kvpop.adapt`;
 * :mod:`.loop`    -- the loop: DDP, atomic checkpoints, resume.
+
+The command line is :mod:`kvpop.cli.train`::
 
     kvpop train --kind mlstm --out runs/mlstm --steps 200
     torchrun --nproc_per_node 2 -m kvpop.train --kind mlp --out runs/mlp --batch-size 2
 """
 
-from .cli import build_parser, config_from_args, main
-from .config import HELD_OUT, TRAIN_CORPORA, TrainConfig
-from .loop import train
+from __future__ import annotations
 
-__all__ = ["HELD_OUT", "TRAIN_CORPORA", "TrainConfig", "build_parser", "config_from_args", "main", "train"]
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
+    from .config import HELD_OUT, TRAIN_CORPORA, TrainConfig
+    from .loop import train
+
+# the module (in this package) -> the public names it defines, imported on first use
+_MODULES: dict[str, tuple[str, ...]] = {
+    "config": ("HELD_OUT", "TRAIN_CORPORA", "TrainConfig"),
+    "loop": ("train",),
+}
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
+
+__all__ = [
+    "HELD_OUT",
+    "TRAIN_CORPORA",
+    "TrainConfig",
+    "train",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name from its module, imported on first use: importing a submodule (the command lines read
+    ``kvpop.train.config``) loads no torch or model code it does not need."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")  # a submodule, as after the eager imports of old
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

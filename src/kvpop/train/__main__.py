@@ -1,3 +1,3 @@
-from .cli import main
+from ..cli.train import main  # the command line of `python -m kvpop.train` (torchrun): kvpop.cli.train
 
 raise SystemExit(main())

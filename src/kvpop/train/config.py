@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-
-import torch
 
 from ..config import EvictionConfig, TrainedSettings, resolve_eviction
 from ..data import CORPORA
-from ..runs import RunSettings
 
 # Held out of training so the out-of-domain columns of the evaluation stay honest: one prose
 # corpus (Paul Graham's essays) and one code corpus (the CPython standard library).
@@ -51,6 +48,36 @@ RESUME_KEYS = (
     "batch_size",
     "cycle",
 )
+
+
+class RunSettings:
+    """What the two run configs (:class:`TrainConfig`, :class:`kvpop.adapt.AdaptConfig`)
+    share beyond their fields: the budget fields' normal form and the validation budgets."""
+
+    def normalise_budgets(self) -> None:
+        """``budget`` is shorthand for ``budgets=(budget,)``; budgets are ints, the sequences tuples."""
+        if self.budget is not None:
+            self.budgets = (int(self.budget),)
+            self.budget = None
+        self.budgets = tuple(int(b) for b in self.budgets)
+        if self.budget_range is not None:
+            self.budget_range = (int(self.budget_range[0]), int(self.budget_range[1]))
+        self.val_budgets = tuple(int(b) for b in self.val_budgets)
+        self.corpora = tuple(self.corpora)
+
+    def validation_budgets(self) -> tuple[int, ...]:
+        """Budgets the validation probe measures: ``val_budgets``, else the training budgets, else three
+        spanning the range (twice its low end, its geometric middle, half its high end)."""
+        if self.val_budgets:
+            return self.val_budgets
+        if self.budget_range is None:
+            return self.budgets
+        lo, hi = self.budget_range
+        return tuple(sorted({min(hi, 2 * lo), round(math.sqrt(lo * hi)), max(lo, hi // 2)}))
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
 
 
 @dataclass
@@ -274,5 +301,8 @@ class TrainConfig(RunSettings):
             for c in self.corpora:
                 if c not in CORPORA:
                     raise ValueError(f"unknown corpus {c!r}; known: {', '.join(CORPORA)}")
-        if self.device != "cpu" and (torch.device(self.device).type != "cuda" or not torch.cuda.is_available()):
-            raise ValueError(f"device {self.device!r} is not available here (use cpu, or cuda on a CUDA machine)")
+        if self.device != "cpu":
+            import torch  # only a device other than the CPU needs it: the parser and the CPU check load no torch
+
+            if torch.device(self.device).type != "cuda" or not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r} is not available here (use cpu, or cuda on a CUDA machine)")

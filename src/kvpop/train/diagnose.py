@@ -16,7 +16,6 @@ makes errors that cost more than unstructured noise does.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -27,11 +26,11 @@ import torch
 from .. import models
 from ..cache import make_cache
 from ..capture import collect
-from ..checkpoint import DEFAULT_SCORERS, load_scorer
+from ..checkpoint import load_scorer
+from ..evaluate.plotting import pyplot, save_figure
+from ..evaluate.quality import DenseOutputs, Sums, hidden_states, score_document, wins
 from ..files import atomic_write
-from ..plotting import pyplot, save_figure
 from ..policies import LearnedPolicy, OraclePolicy
-from ..quality import DenseOutputs, Sums, hidden_states, score_document, wins
 from .config import TrainConfig
 from .data import SequenceSource, capture_example
 from .labels import spearman
@@ -182,37 +181,9 @@ def plot_noisy_oracle(result: dict, path: Path, scorers: dict | None = None) -> 
     save_figure(fig, path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvpop diagnose noisy-oracle", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["noisy-oracle"])
-    p.add_argument("--budget", type=int, default=512)
-    p.add_argument("--window-fraction", type=float, default=0.5)
-    p.add_argument("--docs", type=int, default=4, help="validation windows of the training corpora")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--sigmas", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0, 2.0])
-    p.add_argument("--model", default=None)
-    p.add_argument(
-        "--scorer",
-        action="append",
-        default=None,
-        metavar="NAME=PATH",
-        help="a learned scorer to place on the plot (repeatable; default: the shipped ones on the "
-        "embedded model, none on another model; 'none' for none)",
-    )
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    if args.scorer is None:
-        scorers = {} if args.model else {f"kvpop ({k})": str(v) for k, v in DEFAULT_SCORERS.items()}
-    elif args.scorer == ["none"]:
-        scorers = {}
-    else:
-        bad = [x for x in args.scorer if "=" not in x]
-        if bad:
-            p.error(f"--scorer expects NAME=PATH, got {bad[0]!r}")
-        scorers = dict(x.split("=", 1) for x in args.scorer)
-        missing = [v for v in scorers.values() if not Path(v).is_file()]
-        if missing:
-            p.error(f"--scorer: no scorer checkpoint at {missing[0]}")
+def run(args, scorers: dict[str, str]) -> int:
+    """``kvpop diagnose noisy-oracle`` once its arguments are parsed and checked (:mod:`kvpop.cli.diagnose`):
+    the measurement, ``noisy_oracle.json`` and its plot in ``args.out``, the summary printed."""
     cfg = TrainConfig(
         budgets=(args.budget,), window_fraction=args.window_fraction, seq_len=args.seq_len, model=args.model
     )

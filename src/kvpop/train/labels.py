@@ -1,6 +1,6 @@
 """Teacher labels, the losses, and the decision diagnostics (method.md sections 3-5).
 
-The teacher runs the window-exit rule with the true targets (``kvpop.teacher``); at every exit
+The teacher runs the window-exit rule with the true targets (``kvpop.train.teacher``); at every exit
 step it either keeps the exiting token or not (``y``), against ``t_bnd``, the weakest token of
 its long-range set. The boundary loss trains the scorer's *priorities* on those decisions:
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..targets import loss_mask
-from ..teacher import teacher_labels
+from .teacher import teacher_labels
 
 
 @dataclass

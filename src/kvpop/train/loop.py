@@ -2,7 +2,7 @@
 
 Runs on one process or several under ``torchrun`` (DistributedDataParallel; gloo on CPU, NCCL
 on CUDA with ``--device cuda``): each rank takes its own sequences of a step. The run around the
-steps (resume check, schedule, validation-best, checkpoints, summary) is :class:`kvpop.runs.Run`:
+steps (resume check, schedule, validation-best, checkpoints, summary) is :class:`kvpop.train.runs.Run`:
 a killed run resumes from its last checkpoint with the same data order, and refuses to resume
 with settings that would make it a different run. Every ``val_every`` steps, rank 0 measures
 retention under the real cache on validation windows and keeps the best checkpoint.
@@ -22,12 +22,12 @@ from ..checkpoint import model_fingerprint, read_header, save_scorer, scorer_wri
 from ..config import attention_shape
 from ..files import atomic_writes
 from ..rope import RopeSpec
-from ..runs import Run, cosine_schedule, write_state
 from ..scorers import ScorerConfig, ScorerStack, build_scorer
 from .config import TrainConfig
 from .data import CaptureStore, Example, SequenceSource, capture_example, example_for
 from .labels import decision_metrics, labels_for, layer_loss
 from .quality import VALIDATION_SEED, RetentionProbe
+from .runs import Run, cosine_schedule, write_state
 
 
 class AllLayers(torch.nn.Module):
@@ -73,7 +73,7 @@ def trained_for(cfg: TrainConfig) -> dict:
 
 
 class ScorerTraining:
-    """The program :class:`kvpop.runs.Run` drives: one step of the boundary (or MSE) loss on a batch of
+    """The program :class:`kvpop.train.runs.Run` drives: one step of the boundary (or MSE) loss on a batch of
     captured sequences, validation under the real cache, the scorer's checkpoints."""
 
     def __init__(

@@ -2,7 +2,7 @@
 
 Loss and decision accuracy do not say whether a scorer keeps more quality than a sliding
 window: a scorer can make most keep/evict calls right and still drop the few tokens that
-matter. So the run measures what users get (:mod:`kvpop.quality`, the probe every command
+matter. So the run measures what users get (:mod:`kvpop.evaluate.quality`, the probe every command
 uses): teacher-forced retention (``ppl_dense / ppl_policy``) of held-out validation windows
 under a real :class:`kvpop.KVpopCache` with the scorer being trained, at each training budget,
 next to StreamingLLM at the same budget. The best checkpoint by that number is kept
@@ -21,9 +21,9 @@ import torch
 
 from ..checkpoint import model_fingerprint
 from ..data import round_robin_windows
+from ..evaluate.quality import DenseOutputs, Probe, default_continuation_tokens, wins
 from ..files import atomic_write
 from ..policies import LearnedPolicy
-from ..quality import DenseOutputs, Probe, default_continuation_tokens, wins
 from .config import TrainConfig
 from .data import SequenceSource
 

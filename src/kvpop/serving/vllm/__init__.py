@@ -26,7 +26,10 @@ the wrappers call the originals first and are installed once per process.
 
 from __future__ import annotations
 
-from .settings import KEY, ServeSettings, SettingsError
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .settings import KEY, ServeSettings, SettingsError
 
 __all__ = ["KEY", "ServeSettings", "SettingsError", "check_engine", "register"]
 
@@ -39,6 +42,7 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from . import backend
+    from .settings import ServeSettings
 
     if vars(current_platform).get(_MARK, False):  # (getattr would ask the platform, which warns)
         return
@@ -89,6 +93,8 @@ def _check_layer(sel) -> None:
 def check_engine(vllm_config, settings: ServeSettings) -> None:
     """Engine options kvpop cannot serve, checked before any model loads (one ``SettingsError`` naming
     them all); prefix caching goes off. Called by the plugin for every engine config with the key."""
+    from .settings import KEY, SettingsError
+
     where = f"additional_config[{KEY!r}]"
     model = vllm_config.model_config
     if model is None:
@@ -120,3 +126,13 @@ def check_engine(vllm_config, settings: ServeSettings) -> None:
         from vllm.logger import init_logger
 
         init_logger(__name__).info("kvpop: prefix caching is off (a request's cache is its own bounded state)")
+
+
+def __getattr__(name: str) -> Any:
+    """The settings' names, imported on first use: the settings import the cache (torch), which ``kvpop serve``'s
+    parser (:mod:`.serve`, in this package) does not need."""
+    if name in ("KEY", "ServeSettings", "SettingsError"):
+        from . import settings
+
+        return getattr(settings, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

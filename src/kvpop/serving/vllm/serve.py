@@ -31,8 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...policies import DEFAULT_POLICY
-from .settings import KEY, ServeSettings, SettingsError
+from ...cli.options import DEFAULT_POLICY
 
 _OPTIONS = (
     "budget",
@@ -137,8 +136,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def _bundle_policy(bundle: Path) -> str | None:
     """The learned policy the bundle's scorer serves (None: the bundle has no scorer)."""
-    from ...adapters import read_bundle_meta
-    from ...options import policy_for_scorer
+    from ...bundle import read_bundle_meta
+    from ...policies.learned import policy_for_scorer
 
     scorer = read_bundle_meta(bundle).get("scorer")
     return policy_for_scorer(str(bundle / scorer)) if scorer else None
@@ -215,6 +214,8 @@ def vllm_argv(
 ) -> list[str]:
     """vLLM's ``serve`` command line: the model folder, the address, vLLM's own options, the kvpop settings;
     ``name``: the served model name, unless the options give one (a cache folder's path is no name for clients)."""
+    from .settings import KEY
+
     named = any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in rest)
     return [
         "serve",
@@ -233,6 +234,8 @@ def vllm_argv(
 def check_settings(model: Path, settings: dict) -> None:
     """The kvpop settings against the model's config (the plugin's own check, before vLLM starts)."""
     from transformers import AutoConfig
+
+    from .settings import KEY, ServeSettings, SettingsError
 
     try:
         ServeSettings.from_additional_config({KEY: settings}).build_cache(AutoConfig.from_pretrained(model))

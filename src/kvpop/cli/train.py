@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..options import add_run_arguments, config_kwargs, ints, run_training_command
-from .config import TRAIN_CORPORA, TrainConfig
+from ..train.config import TRAIN_CORPORA, TrainConfig
+from .options import add_run_arguments, config_kwargs, ints, run_training_command
 
 
 def _observed(text: str) -> tuple[int | None, ...]:
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(cfg: TrainConfig) -> dict:
     """The loop, imported once a checked run starts: it loads the model code, which parsing does not need."""
-    from .loop import train
+    from ..train.loop import train
 
     return train(cfg)
 

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .rule import boundary_walk
-from .validate import check_int
+from ..rule import boundary_walk
+from ..validate import check_int
 
 __all__ = ["TeacherLabels", "finish_labels", "label_steps", "static_priority", "teacher_labels", "validate_labels_args"]
 

@@ -34,7 +34,7 @@ import sys
 import time
 import zipfile
 from collections import OrderedDict
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,14 +43,13 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .checkpoint import fingerprint_diff
-from .files import check_writable_dir, clean_leftovers, write_json
+from ..checkpoint import fingerprint_diff
+from ..files import check_writable_dir, clean_leftovers, write_json
 
 __all__ = [
     "STATE_FILE",
     "Program",
     "Run",
-    "RunSettings",
     "check_in_sync",
     "cosine_schedule",
     "digest",
@@ -181,36 +180,6 @@ def resume_mismatch(saved: dict, now: dict) -> list[str]:
     """The settings on which a checkpoint's ``resume`` view and this run's differ, one line each."""
     keys = list(dict.fromkeys([*now, *saved]))
     return [f"{k}: checkpoint {saved.get(k)!r} vs now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
-
-
-class RunSettings:
-    """What the two run configs (:class:`kvpop.train.TrainConfig`, :class:`kvpop.adapt.AdaptConfig`)
-    share beyond their fields: the budget fields' normal form and the validation budgets."""
-
-    def normalise_budgets(self) -> None:
-        """``budget`` is shorthand for ``budgets=(budget,)``; budgets are ints, the sequences tuples."""
-        if self.budget is not None:
-            self.budgets = (int(self.budget),)
-            self.budget = None
-        self.budgets = tuple(int(b) for b in self.budgets)
-        if self.budget_range is not None:
-            self.budget_range = (int(self.budget_range[0]), int(self.budget_range[1]))
-        self.val_budgets = tuple(int(b) for b in self.val_budgets)
-        self.corpora = tuple(self.corpora)
-
-    def validation_budgets(self) -> tuple[int, ...]:
-        """Budgets the validation probe measures: ``val_budgets``, else the training budgets, else three
-        spanning the range (twice its low end, its geometric middle, half its high end)."""
-        if self.val_budgets:
-            return self.val_budgets
-        if self.budget_range is None:
-            return self.budgets
-        lo, hi = self.budget_range
-        return tuple(sorted({min(hi, 2 * lo), round(math.sqrt(lo * hi)), max(lo, hi // 2)}))
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
 
 
 class Program(Protocol):

@@ -12,14 +12,16 @@ import math
 import operator
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from ..data import SPLITS
+from ..evaluate.store import StoreMismatch, check_out
+from ..evaluate.tasks import DEFAULT_TASKS, MULTIKEY_NAMES, TASKS, TEXT_TASKS
 from ..files import check_writable_dir
-from ..options import load_model_quietly, scorer_policy_kwargs
-from .core import ALL_POLICIES, PolicyUnavailable
-from .harness import EvalConfig, merge, parse_shard, quick_config, run_eval, table, unit_filter, user_documents
-from .store import StoreMismatch, check_out
-from .tasks import DEFAULT_TASKS, MULTIKEY_NAMES, TASKS, TEXT_TASKS
+from .options import ALL_POLICIES
+
+if TYPE_CHECKING:
+    from ..evaluate.harness import EvalConfig
 
 # every numeric argument's range (argparse dest -> conditions), checked by one checker before any model loads
 NUMBER_LIMITS: dict[str, tuple[tuple[str, float], ...]] = {
@@ -160,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args) -> EvalConfig:
+    from ..evaluate.harness import EvalConfig, quick_config
+    from ..policies.learned import scorer_policy_kwargs
+
     over = {}
     for name, key in [
         ("tasks", "tasks"),
@@ -228,10 +233,15 @@ def _os_message(exc: OSError) -> str:
 def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     if given and given[0] == "tasks":  # task accuracy (HumanEval, RULER): its own options, `kvpop eval tasks --help`
-        from .suite import main as tasks_main
+        from ..evaluate.suite import main as tasks_main
 
         return tasks_main(list(given[1:]))
     args = build_parser().parse_args(argv)
+    # the evaluation (torch, the model code) loads once the arguments parsed: --help and a bad one answer at once
+    from ..evaluate.core import PolicyUnavailable
+    from ..evaluate.harness import merge, parse_shard, run_eval, table, unit_filter, user_documents
+    from ..models import load_model_quietly
+
     t0 = time.perf_counter()
     if args.merge:
         try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .generate import GenerationResult
+    from ..generate import GenerationResult
 
 __all__ = ["Outcome", "compare", "human_bytes", "table"]
 
@@ -61,7 +61,7 @@ def compare(
     budget (``cache_kwargs``: ``budget``, ``window``, ``compile``, ... for every bounded policy),
     ``policy_kwargs`` per policy name (e.g. ``{"kvpop": {"path": ...}}``) and ``generate_kwargs``
     (``max_new_tokens``, ``chat``, ...) for all."""
-    from .generate import generate
+    from ..generate import generate
 
     out = []
     for p in policies:

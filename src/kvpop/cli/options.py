@@ -1,9 +1,9 @@
-"""What kvpop's command lines share: argument types, the quiet model load, the policy a scorer
-checkpoint serves, and the frame of a training command (``kvpop train``, ``kvpop adapt``).
+"""What kvpop's command lines share: argument types, the policy names, the model's position limit,
+and the frame of a training command (``kvpop train``, ``kvpop adapt``).
 
-The top-level ``kvpop`` command (:mod:`kvpop.cli`) and each subcommand's own parser
-(:mod:`kvpop.train.cli`, :mod:`kvpop.adapt.cli`, :mod:`kvpop.evaluate.cli`, the benchmarks)
-import from here, so no subcommand imports the top-level command. Importing this module loads no
+The generate and info commands (:mod:`kvpop.cli.generate`) and each subcommand's own parser
+(:mod:`kvpop.cli.train`, :mod:`kvpop.cli.adapt`, :mod:`kvpop.cli.eval`) import from here, so no
+subcommand imports the top-level command. Importing this module loads no
 torch, transformers or model code (they load inside the functions that use them), so a parser built
 from it answers ``--help`` and a bad argument at once.
 """
@@ -17,25 +17,26 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .files import json_safe
+from ..files import json_safe
 
 __all__ = [
+    "ALL_POLICIES",
     "DEFAULT_POLICY",
     "GENERATE_POLICIES",
     "add_run_arguments",
     "budget_range_arg",
     "config_kwargs",
     "ints",
-    "load_model_quietly",
     "model_position_limit",
-    "policy_for_scorer",
     "run_training_command",
 ]
 
 # The policy names a command line offers, readable without importing torch (kvpop.policies imports it):
-# kvpop.policies.policy_names(teacher_forced=False) and kvpop.policies.DEFAULT_POLICY, which
-# tests/unit/test_cli_speed.py checks these equal.
+# kvpop.policies.policy_names(teacher_forced=False), kvpop.policies.policy_names() (kvpop eval's grid,
+# kvpop.evaluate.core.ALL_POLICIES) and kvpop.policies.DEFAULT_POLICY, which tests/unit/test_cli_speed.py
+# checks these equal.
 GENERATE_POLICIES = ("dense", "streaming", "tova", "h2o", "snapkv", "knorm", "random", "kvpop-mlp", "kvpop")
+ALL_POLICIES = ("dense", "streaming", "tova", "h2o", "snapkv", "knorm", "random", "oracle", "kvpop-mlp", "kvpop")
 DEFAULT_POLICY = "kvpop-mlp"
 
 
@@ -104,50 +105,11 @@ def add_run_arguments(
 
 
 def config_kwargs(args: argparse.Namespace, cls) -> dict:
-    """The fields of the config class ``cls`` (:meth:`kvpop.runs.RunSettings.field_names`) from
+    """The fields of the config class ``cls`` (:meth:`kvpop.train.config.RunSettings.field_names`) from
     parsed arguments, with ``--corpora`` split and ``--no-progress`` turned around."""
     kw = {k: v for k, v in vars(args).items() if k in cls.field_names()}
     kw["corpora"] = tuple(c for c in args.corpora.split(",") if c)
     kw["progress"] = not args.no_progress
-    return kw
-
-
-def load_model_quietly(name_or_path=None, adapter=None, merge: bool = False):
-    """``kvpop.load_model`` for the command line: kvpop's one-time conversion messages, but not
-    transformers' per-load "Loading weights" bar (noise on every run)."""
-    from transformers.utils import logging as hf_logging
-
-    from . import models
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        return models.load_model(name_or_path, progress=True, adapter=adapter, merge=merge)
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def policy_for_scorer(path: str, policy: str | None = None) -> str:
-    """The learned policy a scorer checkpoint belongs to (its kind, read from the file's header)."""
-    from . import checkpoint, policies
-
-    kind = checkpoint.scorer_kind(path)
-    name = policies.KIND_TO_POLICY[kind]
-    if policy is not None and policy != name:
-        raise ValueError(f"--scorer {path} is a {kind} scorer (policy {name}); it cannot serve --policy {policy}")
-    return name
-
-
-def scorer_policy_kwargs(paths) -> dict[str, dict]:
-    """``--scorer`` files as each learned policy's keyword arguments (``{"kvpop-mlp": {"path": ...}}``, the policy read
-    from each file's header); two files for one policy are an error."""
-    kw: dict[str, dict] = {}
-    for path in paths:
-        name = policy_for_scorer(path)
-        if name in kw:
-            raise ValueError(f"two --scorer checkpoints of policy {name}: {kw[name]['path']} and {path}")
-        kw[name] = {"path": path}
     return kw
 
 
@@ -160,7 +122,7 @@ def model_position_limit(name_or_path: str | os.PathLike | None) -> tuple[int, P
     if path is not None and path.is_dir():
         config = path / "config.json"
     else:  # a GGUF: the embedded default, an embedded model by name, or a file
-        from . import models
+        from .. import models
 
         try:
             if path is None:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..adapters import DEFAULT_LORA_TARGETS
-from ..options import add_run_arguments, config_kwargs, run_training_command
+from ..adapt.config import DEFAULT_LORA_TARGETS, KL_POSITIONS, KL_TAILS, MASKS, AdaptConfig
 from ..train.config import TRAIN_CORPORA
-from .config import KL_POSITIONS, KL_TAILS, MASKS, AdaptConfig
+from .options import add_run_arguments, config_kwargs, run_training_command
 
 
 def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -128,13 +127,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _adapt(cfg: AdaptConfig) -> dict:
     """The loop, imported once a checked run starts: it loads the model code, which parsing does not need."""
-    from .loop import adapt
+    from ..adapt.loop import adapt
 
     return adapt(cfg)
 
 
 def _report(summary: dict) -> dict:
-    from .loop import strip_per_doc
+    from ..adapt.loop import strip_per_doc
 
     last_val = next((h["val"] for h in reversed(summary["history"]) if "val" in h), None)
     return {

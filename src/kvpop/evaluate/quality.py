@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .cache import make_cache
-from .compat import cache_kwargs
+from ..cache import make_cache
+from ..compat import cache_kwargs
 
 __all__ = [
     "CHUNK",

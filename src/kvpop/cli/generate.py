@@ -1,8 +1,7 @@
-"""``kvpop`` command line: thin argument parsing over the library's modules.
+"""``kvpop info`` and ``kvpop generate`` (with ``--compare``): their parsers, checks and commands.
 
-The parser, the dispatch to subcommands and every check that the argument values alone decide load no
-torch, transformers or model code (those load inside the command functions), so ``kvpop --help`` and a
-bad argument answer at once, and a bad argument is refused before any model loads.
+The parsers and every check that the argument values alone decide load no torch, transformers or model
+code (those load inside the command functions), so a bad argument is refused before any model loads.
 """
 
 from __future__ import annotations
@@ -11,17 +10,14 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
+from ..config import BudgetArgs, budget_of_compression
+from ..validate import check_int
 from .compare import compare, human_bytes, table
-from .config import BudgetArgs, budget_of_compression
-from .options import DEFAULT_POLICY, GENERATE_POLICIES, load_model_quietly, model_position_limit, policy_for_scorer
-from .validate import check_int
+from .options import DEFAULT_POLICY, GENERATE_POLICIES, model_position_limit
 
 EVICTION_POLICIES = list(GENERATE_POLICIES)  # dense + every policy that can generate
-BENCHMARKS = ("targets", "generate", "overhead", "prefill", "gpu", "vllm")
-SUBCOMMANDS = ("train", "eval", "diagnose", "adapt", "compare-adapted", "serve")  # each parses its own options
 DEMO_QUESTION = "In one sentence, what is the main advice of the essay above?"
 DEFAULT_BUDGET = 512
 # the int arguments and their least values: one checker for all (--seed takes any int)
@@ -31,45 +27,13 @@ INT_ARGUMENTS = {"max_new_tokens": 1, "budget": 1, "reference_length": 1, "windo
 def demo_prompt(target_chars: int = 24_000) -> str:
     """A built-in long prompt: the Paul Graham essay of the corpus's test split closest to
     ``target_chars`` characters (~6k tokens), then a question about it."""
-    from .data import load_documents
+    from ..data import load_documents
 
     docs = load_documents("paul_graham", "test")
     if not docs:
         raise ValueError("the paul_graham corpus has no test essay")
     doc = min(docs, key=lambda d: (abs(len(d.text) - target_chars), d.id))
     return doc.text.strip() + "\n\n" + DEMO_QUESTION
-
-
-def _subcommand_main(name: str) -> Callable[[list[str]], int]:
-    """The main of a subcommand that parses its own options, imported only when it runs: each loads its
-    own dependencies, which neither the top-level parser nor the other subcommands need."""
-    if name == "train":
-        from .train.cli import main
-    elif name == "adapt":
-        from .adapt.cli import main
-    elif name == "eval":
-        from .evaluate.cli import main
-    elif name == "diagnose":
-        from .train.diagnose import main
-    elif name == "compare-adapted":
-        from .adapt.report import main
-    else:
-        from .serving.vllm.serve import main
-    return main
-
-
-def _benchmark_main(name: str) -> Callable[[list[str]], int | None]:
-    """The main of ``kvpop bench NAME``, imported only when a benchmark runs (the benchmarks load torch)."""
-    from .bench import generate, gpu, overhead, prefill, targets, vllm
-
-    return {
-        "targets": targets.main,
-        "generate": generate.main,
-        "overhead": overhead.main,
-        "prefill": prefill.main,
-        "gpu": gpu.main,
-        "vllm": vllm.main,
-    }[name]
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -194,9 +158,9 @@ def _check_budget_fits(args) -> None:
 def cmd_info(args) -> int:
     _check_args(args, bounded=True)
     _check_budget_fits(args)
-    from . import attention, cache, checkpoint, models
+    from .. import attention, cache, checkpoint, models
 
-    model, _ = load_model_quietly(args.model)
+    model, _ = models.load_model_quietly(args.model)
     summary = models.model_summary(model.config)
     # the split a cache with this policy would use (a learned scorer's trained window and lam)
     policy = args.policy or DEFAULT_POLICY
@@ -286,7 +250,7 @@ def _compare_adapter(args, names: list[str | None]) -> str | None:
         return args.adapter
     if args.base_model or args.model is not None or args.scorer is not None:
         return None
-    from . import checkpoint, policies
+    from .. import checkpoint, policies
 
     try:
         checkpoint.default_adapter_path()
@@ -300,16 +264,19 @@ def _compare_adapter(args, names: list[str | None]) -> str | None:
 
 def _bundle_policy(adapter, default: str) -> str:
     """The learned policy an adapter bundle's scorer serves (``default`` for a bundle without one)."""
-    from . import adapters, checkpoint
+    from .. import bundle, checkpoint
+    from ..policies.learned import policy_for_scorer
 
     folder = checkpoint.default_adapter_path() if str(adapter) == "default" else Path(adapter)
-    scorer = adapters.read_bundle_meta(folder).get("scorer")
+    scorer = bundle.read_bundle_meta(folder).get("scorer")
     return policy_for_scorer(str(folder / scorer)) if scorer else default
 
 
 def _policy_kwargs(args, policy: str) -> dict:
     """What the policy factory gets from the command line: the --scorer checkpoint for the policy it
     serves, the random policy's seed."""
+    from ..policies.learned import policy_for_scorer
+
     if args.scorer is not None and policy == policy_for_scorer(args.scorer):
         return {"path": args.scorer}
     return {"seed": args.seed} if policy == "random" else {}
@@ -323,6 +290,8 @@ def _which_model(adapter: str | None) -> str:
 def _load(args, adapter):
     """The model once (LoRA merged into the weights: the same model, no adapter layers on the decode path),
     and a status line that says which model it is (base or adapted)."""
+    from ..models import load_model_quietly
+
     t0 = time.perf_counter()
     model, tok = load_model_quietly(args.model, adapter=adapter, merge=adapter is not None)
     print(f"[kvpop] model loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -359,6 +328,8 @@ def cmd_compare(args) -> int:
     if bounded:
         _check_budget_fits(args)
     if args.scorer is not None:
+        from ..policies.learned import policy_for_scorer
+
         policy_for_scorer(args.scorer)  # a readable scorer checkpoint, before the model loads
     adapter = _compare_adapter(args, policies)
     model, tok = _load(args, adapter)
@@ -392,6 +363,8 @@ def cmd_generate(args) -> int:
     if bounded:
         _check_budget_fits(args)
     if args.scorer is not None:
+        from ..policies.learned import policy_for_scorer
+
         policy = policy_for_scorer(args.scorer, args.policy)
     else:
         policy = args.policy or DEFAULT_POLICY
@@ -399,7 +372,7 @@ def cmd_generate(args) -> int:
     if adapter is not None and args.policy is None and args.scorer is None:
         policy = _bundle_policy(adapter, policy)  # the bundle's scorer decides (an MLP bundle serves kvpop-mlp)
     policy_kwargs = _policy_kwargs(args, policy)
-    from .generate import generate
+    from ..generate import generate
 
     model, tok = _load(args, adapter)
     kwargs = {} if policy == "dense" else _cache_kwargs(args)
@@ -447,10 +420,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvpop", description="Fixed-size KV cache by learned eviction (KVpop).")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def add_parsers(sub) -> None:
+    """The ``info`` and ``generate`` subcommands, added to the top-level parser's subparsers ``sub``."""
     pi = sub.add_parser("info", help="model config, KV bytes per token, what a budget saves")
     _add_model(pi)
     _add_budget(pi)
@@ -520,49 +491,3 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the cache's steady decode step (default: on where a compiler works, a few seconds "
         "once, faster steps after; --no-compile: eager)",
     )
-
-    pb = sub.add_parser("bench", help="benchmarks (write JSON); `kvpop bench NAME --help` for a benchmark's options")
-    pb.add_argument("what", choices=list(BENCHMARKS))
-    sub.add_parser("train", help="train a KVpop scorer (see `kvpop train --help`)", add_help=False)
-    sub.add_parser(
-        "adapt", help="adapt the LLM to the bounded cache with LoRA (see `kvpop adapt --help`)", add_help=False
-    )
-    sub.add_parser(
-        "compare-adapted",
-        add_help=False,
-        help="retention of the adapted model vs the base model under kvpop and StreamingLLM(+) on the "
-        "test splits (see `kvpop compare-adapted --help`)",
-    )
-    sub.add_parser(
-        "diagnose", help="diagnostics of the learned scorer (see `kvpop diagnose noisy-oracle --help`)", add_help=False
-    )
-    sub.add_parser("eval", help="evaluate policies and budgets (see `kvpop eval --help`)", add_help=False)
-    sub.add_parser(
-        "serve",
-        add_help=False,
-        help="vLLM's OpenAI-compatible server with kvpop layers (needs kvpop[vllm]; see `kvpop serve --help`)",
-    )
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in SUBCOMMANDS:  # the subcommand parses (and --help) its own options
-        return _subcommand_main(argv[0])(argv[1:])
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHMARKS:
-        return _benchmark_main(argv[1])(argv[2:]) or 0
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "info":
-            return cmd_info(args)
-        if args.command == "generate":
-            return cmd_generate(args)
-    except (ValueError, OSError, ImportError) as exc:
-        print(f"kvpop: error: {exc}", file=sys.stderr)
-        return 2
-    return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
