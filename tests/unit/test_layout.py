@@ -6,37 +6,48 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "kvpop"
-# what runs inside a model with a KVpop cache (and what it loads: checkpoints, adapter bundles)
-RUNTIME = (
-    "config",
-    "rule",
-    "cache",
-    "state",
-    "step",
-    "compiled",
+# what runs inside a model with a KVpop cache, and what it loads (checkpoints, adapter bundles, the corpora): the top
+# level of the package. targets and capture compute the future-attention targets the oracle policy runs on; mask is
+# the masked simulation of the cache that evaluation and adaptation use. (kvpop/__init__.py, the public names,
+# loads a few from kvpop.train and kvpop.adapt on first use: it is the facade, not a runtime module.)
+RUNTIME_MODULES = (
     "attention",
-    "policies",
-    "scorers",
+    "bundle",
+    "cache",
+    "capture",
+    "checkpoint",
+    "compat",
+    "compiled",
+    "config",
+    "files",
+    "generate",
+    "mask",
+    "models",
     "observed",
     "rope",
+    "rule",
+    "state",
+    "step",
+    "targets",
     "validate",
 )
-# never reached from the runtime: training, adaptation, evaluation, benchmarks, serving, the CLI, the
-# corpora, and the plain references of kvpop.testing
-NOT_RUNTIME = (
-    "train",
+RUNTIME = (*RUNTIME_MODULES, "policies", "scorers", "data")
+# above the runtime: training, adaptation, evaluation, benchmarks, serving, the command lines, the plain references
+# of kvpop.testing
+NOT_RUNTIME = ("train", "adapt", "evaluate", "bench", "serving", "cli", "testing")
+# the top level of src/kvpop: the runtime modules and the subpackages, nothing else
+SUBPACKAGES = (
     "adapt",
-    "evaluate",
+    "assets",
     "bench",
-    "serving",
     "cli",
     "data",
+    "evaluate",
+    "policies",
+    "scorers",
+    "serving",
     "testing",
-    "quality",
-    "runs",
-    "options",
-    "plotting",
-    "compare",
+    "train",
 )
 # No exceptions: every cycle and private import above the core is gone (issue #27). A new one fails.
 ALLOWED_CYCLES: list[set[str]] = []
@@ -118,9 +129,11 @@ def test_no_private_names_across_modules():
     assert not taken, f"private names imported from other modules (make them public in the lower one): {taken}"
 
 
-def test_runtime_never_imports_training_evaluation_serving_cli_or_testing():
+def _reaches(layer: tuple[str, ...], forbidden: tuple[str, ...]) -> list[str]:
+    """What of ``forbidden`` the modules of ``layer`` import, directly or through others, each with its importer.
+    A ``__main__`` (``python -m kvpop.train``) is an entry point like the console script: it is not a root."""
     edges = _graph()[0]
-    roots = [m for m in MODULES if _under(m, RUNTIME)]
+    roots = [m for m in MODULES if _under(m, layer) and not m.endswith(".__main__")]
     seen, todo, via = set(), list(roots), {}
     while todo:
         v = todo.pop()
@@ -129,8 +142,36 @@ def test_runtime_never_imports_training_evaluation_serving_cli_or_testing():
             for w in edges[v]:
                 via.setdefault(w, v)
                 todo.append(w)
-    bad = sorted(m for m in seen if _under(m, NOT_RUNTIME))
-    assert not bad, "the runtime reaches " + ", ".join(f"{m} (imported by {via[m]})" for m in bad)
+    return [f"{m} (imported by {via[m]})" for m in sorted(seen) if _under(m, forbidden)]
+
+
+def test_runtime_never_imports_training_evaluation_serving_cli_or_testing():
+    bad = _reaches(RUNTIME, NOT_RUNTIME)
+    assert not bad, "the runtime reaches " + ", ".join(bad)
+
+
+def test_evaluation_never_imports_training_adaptation_or_the_cli():
+    bad = _reaches(("evaluate",), ("train", "adapt", "cli"))
+    assert not bad, "kvpop.evaluate reaches " + ", ".join(bad)
+
+
+def test_training_never_imports_adaptation_or_the_cli():
+    bad = _reaches(("train",), ("adapt", "cli"))
+    assert not bad, "kvpop.train reaches " + ", ".join(bad)
+
+
+def test_the_top_level_is_the_runtime_and_the_subpackages():
+    """``ls src/kvpop`` shows the architecture: a new module goes into the layer it belongs to."""
+    found = {p.stem for p in SRC.glob("*.py")} - {"__init__"}
+    assert found == set(RUNTIME_MODULES), (
+        f"stray top-level modules: {sorted(found - set(RUNTIME_MODULES))}; gone: {sorted(set(RUNTIME_MODULES) - found)}"
+    )
+    dirs = {p.name for p in SRC.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert dirs == set(SUBPACKAGES), (
+        f"stray: {sorted(dirs - set(SUBPACKAGES))}; gone: {sorted(set(SUBPACKAGES) - dirs)}"
+    )
+    other = sorted(p.name for p in SRC.iterdir() if p.is_file() and p.suffix != ".py" and p.name != "py.typed")
+    assert not other, f"stray files at the top of src/kvpop: {other}"
 
 
 def test_the_graph_sees_imports():
@@ -140,6 +181,7 @@ def test_the_graph_sees_imports():
     assert "kvpop.rule" in edges["kvpop.testing.rule"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
     assert not _under("kvpop.rule", NOT_RUNTIME) and _under("kvpop.testing.rule", NOT_RUNTIME)
+    assert "kvpop.train.teacher" in edges["kvpop.train.labels"] and "kvpop.bundle" in edges["kvpop.serving.merged"]
 
 
 def test_caches_are_built_in_one_place():
