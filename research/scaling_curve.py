@@ -5,7 +5,7 @@ Every point trains on the first N sequences of one capture store (``--cycle N``)
 of steps, with the same recipe, over the same budget range; only the amount of distinct data changes.
 Runs are resumable (a finished run is skipped), and two workers split the queue (one per core).
 
-  # fill the store first (see docs/training.md), then:
+  # fill the store first (see docs/research-log.md, the data-scaling section), then:
   python research/scaling_curve.py run --store runs/capture/smollm2-8192 --out runs/scaling --workers 2
   python research/scaling_curve.py report --out runs/scaling --json results/scaling/curve.json
 """
