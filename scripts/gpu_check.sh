@@ -19,6 +19,6 @@ export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/bench_gpu_smi.txt"
 python3 -m kvpop.cli bench gpu --out "$OUT/bench_gpu" 2>&1 | tee "$OUT/bench_gpu.log"
 # then batch 32 at 8k and 32k (after the chunk path's CUDA layout fix, checked by its own parity rows)
-python3 -m kvpop.cli bench gpu --parity streaming,kvpop --sizes '' --contexts 8192,32768 --batch 32 \
-  --rows floor,dense,dense-static,streaming,kvpop,kvpop+compile,kvpop-mlp+compile --out "$OUT/bench_gpu_batch32" \
+python3 -m kvpop.cli bench gpu --parity streaming,kvpop-mlstm --sizes '' --contexts 8192,32768 --batch 32 \
+  --rows floor,dense,dense-static,streaming,kvpop-mlstm,kvpop-mlstm+compile,kvpop-mlp+compile --out "$OUT/bench_gpu_batch32" \
   2>&1 | tee "$OUT/bench_gpu_batch32.log"

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
         get_policy,
         policy_names,
         register_policy,
+        resolve_policy,
     )
     from .rule import leave_steps
     from .targets import future_attention
@@ -76,6 +77,7 @@ _MODULES: dict[str, tuple[str, ...]] = {
         "get_policy",
         "policy_names",
         "register_policy",
+        "resolve_policy",
     ),
     "rule": ("leave_steps",),
     "targets": ("future_attention",),
@@ -115,6 +117,7 @@ __all__ = [
     "model_summary",
     "policy_names",
     "register_policy",
+    "resolve_policy",
     "routed",
     "save_adapter_bundle",
     "save_scorer",

@@ -31,7 +31,7 @@ from .config import (
     resolve_eviction,
     settings_note,
 )
-from .policies import DENSE, LEARNED_POLICIES, Policy, default_policy, get_policy, map_state
+from .policies import DENSE, LEARNED_POLICIES, Policy, get_policy, map_state, resolve_policy
 from .state import LayerState
 from .step import StepSpec, check_scores, decode_exits, decode_tail, prefill_chunk
 
@@ -483,8 +483,8 @@ class KVpopCache(Cache):
         """``budget`` and the other keywords of :class:`kvpop.config.BudgetArgs` (``k``, ``compression``,
         ``reference_length``, ``window``, ``sinks``, ``lam``, ``prefill_chunk``), or ``eviction=``; any
         other keyword goes to the policy factory (e.g. ``path=`` a scorer checkpoint, ``seed=``).
-        ``policy`` None: :func:`kvpop.policies.default_policy` (``"kvpop-mlp"``; on a model loaded with an
-        adapter bundle, the policy its scorer serves)."""
+        ``policy`` None or ``"kvpop"``: :func:`kvpop.policies.resolve_policy`, the model's default learned policy
+        (``"kvpop-mlp"``; on a model loaded with an adapter bundle, the policy its scorer serves)."""
         self._resume = False  # set before Cache.__init__: transformers may set _is_user_defined (a property here)
         self._generate_given = False
         check_attention(config)
@@ -492,8 +492,7 @@ class KVpopCache(Cache):
             raise TypeError(f"compile must be True, False or None (the default), got {compile!r}")
         # each argument's type and range, before a scorer loads (integral numbers such as numpy.int64 become int)
         args = BudgetArgs.pop_from(kwargs, budget).checked()
-        if policy is None:
-            policy = default_policy(config=config)
+        policy = resolve_policy(policy, config=config, scorer=kwargs.get("scorer"), path=kwargs.get("path"))
         if isinstance(policy, str) and policy in LEARNED_POLICIES:
             kwargs.setdefault("config", config)  # a model loaded with an adapter bundle: its scorer
         pol = get_policy(policy, **kwargs)
@@ -671,13 +670,15 @@ def make_cache(
     instance (``get_policy(name, model=model)``, resolved once) is reused as it is: no checkpoint
     is read and no weights are hashed again. ``model`` may also be just a config (a
     ``PretrainedConfig``, e.g. a serving engine's, which has no transformers model): then only the
-    config part is checked, as by ``KVpopCache``. ``policy`` None: :func:`kvpop.policies.default_policy`.
+    config part is checked, as by ``KVpopCache``. ``policy`` None or ``"kvpop"``: the model's default
+    learned policy (:func:`kvpop.policies.resolve_policy`).
     """
     if isinstance(policy, str) and policy == DENSE:
         return None
     config = model if isinstance(model, PretrainedConfig) else model.config
-    if policy is None:
-        policy = default_policy(None if config is model else model, config)
+    policy = resolve_policy(
+        policy, None if config is model else model, config, scorer=kwargs.get("scorer"), path=kwargs.get("path")
+    )
     if isinstance(policy, str) and policy in LEARNED_POLICIES and config is not model:
         kwargs.setdefault("model", model)
     return KVpopCache(config, budget, policy=policy, eviction=eviction, compile=compile, **kwargs)

@@ -93,10 +93,11 @@ def generate(
     """Generate from ``prompt`` (a string or a batch of strings) with a bounded KV cache.
 
     ``policy`` is a name from ``kvpop.POLICIES``, ``"dense"``, or a :class:`Policy`; the default
-    is the shipped MLP scorer (``"kvpop-mlp"``), or on a model loaded with an adapter bundle the
-    policy its scorer serves (:func:`kvpop.policies.default_policy`). ``policy_kwargs`` go to the policy factory (e.g.
-    ``{"path": "scorer.safetensors"}``). The budget is ``budget=B``, ``k=K`` (+ ``window``), or
-    ``compression=r`` with ``reference_length=L`` (the keywords of :class:`kvpop.config.BudgetArgs`);
+    (and ``"kvpop"``) is the model's default learned policy: the shipped MLP scorer (``"kvpop-mlp"``), or
+    on a model loaded with an adapter bundle the policy its scorer serves (:func:`kvpop.policies.default_policy`).
+    ``policy_kwargs`` go to the policy factory (e.g. ``{"path": "scorer.safetensors"}``). The budget is
+    ``budget=B``, ``k=K`` (+ ``window``), or ``compression=r`` with ``reference_length=L`` (the keywords of
+    :class:`kvpop.config.BudgetArgs`);
     ``window`` and the recency tilt ``lam`` default to what a learned scorer was trained with (else
     ``B / 2`` and 0). Any other keyword goes to ``model.generate``. ``chat=True``
     wraps each prompt in the tokenizer's chat template. ``compile`` (default: on, unless

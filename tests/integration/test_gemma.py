@@ -84,6 +84,6 @@ def test_budget_at_least_length_equals_its_own_cache(gemma):
 
 def test_smollm2_scorer_is_refused_on_gemma(gemma):
     model, _ = gemma
-    for name in ("kvpop", "kvpop-mlp"):
+    for name in ("kvpop-mlstm", "kvpop-mlp"):
         with pytest.raises(ScorerMismatchError):
             kvpop.make_cache(model, name, budget=64)

@@ -45,7 +45,7 @@ def test_real_model_generate_bounded(real):
 
 def test_shipped_scorers_fit_the_embedded_model_and_are_the_default(real):
     model, tok = real
-    for name in ("kvpop", "kvpop-mlp"):  # old-format fingerprints: config part and weight hash both pass
+    for name in ("kvpop-mlstm", "kvpop-mlp"):  # old-format fingerprints: config part and weight hash both pass
         kvpop.KVpopCache(model.config, budget=64, policy=name)
         kvpop.make_cache(model, name, budget=64)
     res = kvpop.generate(model, tok, "The capital of France is", budget=24, window=8, max_new_tokens=6)
@@ -76,7 +76,7 @@ def test_shipped_scorers_and_adapter_fit_the_embedded_model_in_bfloat16(real):
         read_bundle_meta(DEFAULT_ADAPTER)["fingerprint"]["weights_sampled_bf16_sha256"]
         == fp["weights_sampled_bf16_sha256"]
     )
-    for name in ("kvpop", "kvpop-mlp"):
+    for name in ("kvpop-mlstm", "kvpop-mlp"):
         kvpop.make_cache(half, name, budget=64)
     adapted, _ = kvpop.load_model(adapter="default", dtype=torch.bfloat16, progress=False)
     assert adapted.kvpop_adapter.scorer is not None and next(adapted.parameters()).dtype == torch.bfloat16
@@ -89,7 +89,10 @@ def test_shipped_scorers_default_to_their_trained_window(real):
     from kvpop.config import ScorerSettingsWarning
 
     model, _ = real
-    for name, budgets, lam in (("kvpop", (128, 384, 512, 2048), 5e-4), ("kvpop-mlp", (128, 384, 512, 2048), 5e-4)):
+    for name, budgets, lam in (
+        ("kvpop-mlstm", (128, 384, 512, 2048), 5e-4),
+        ("kvpop-mlp", (128, 384, 512, 2048), 5e-4),
+    ):
         for budget in budgets:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", ScorerSettingsWarning)

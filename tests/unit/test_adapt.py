@@ -381,8 +381,8 @@ def test_bundle_loads_with_load_model(tmp_path, docs, scorer_path):
     out = model.generate(input_ids=IDS[:, :40], past_key_values=cache, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 44)
     assert model.kvpop_adapter.meta["meta"]["trained_for"]["windows"] == {"24": 8}
-    # policy "kvpop" by name on a model loaded with a bundle: the bundle's scorer, its trained window
-    named = kvpop.make_cache(model, "kvpop", budget=24, sinks=2)
+    # policy "kvpop-mlstm" by name on a model loaded with a bundle: the bundle's scorer, its trained window
+    named = kvpop.make_cache(model, "kvpop-mlstm", budget=24, sinks=2)
     assert named.policy.scorer is scorer and "adapter bundle" in named.policy.source and named.eviction.window == 8
     assert torch.equal(
         model(input_ids=IDS[:, :40], past_key_values=named).logits,
@@ -391,7 +391,10 @@ def test_bundle_loads_with_load_model(tmp_path, docs, scorer_path):
         ).logits,
     )
     # an explicit path still wins over the bundle's scorer
-    assert kvpop.make_cache(model, "kvpop", budget=24, window=8, sinks=2, path=scorer_path).policy.scorer is not scorer
+    assert (
+        kvpop.make_cache(model, "kvpop-mlstm", budget=24, window=8, sinks=2, path=scorer_path).policy.scorer
+        is not scorer
+    )
     with pytest.raises(ValueError, match='adapter="default" is the shipped bundle of the embedded'):
         kvpop.load_model(tmp_path / "base", adapter="default", progress=False)
     save_tiny_model(tmp_path / "other", seed=3)
@@ -673,7 +676,7 @@ def test_adapt_on_a_hybrid_model(tmp_path, docs, joint):
     model, _ = kvpop.load_model(tmp_path / "base", adapter=tmp_path / "run" / "adapter", progress=False)
     assert (_logits(model, IDS) - _logits(base, IDS)).abs().max() > 0  # the adapter moved the model
     assert model.kvpop_adapter.scorer.config.num_layers == 2  # layers 1 and 3 are the full-attention ones
-    cache = kvpop.make_cache(model, "kvpop", budget=24, sinks=2)
+    cache = kvpop.make_cache(model, "kvpop-mlstm", budget=24, sinks=2)
     assert cache.policy.scorer is model.kvpop_adapter.scorer and cache.eviction.window == 8
     out = model.generate(input_ids=IDS[:, :48], **kvpop.compat.cache_kwargs(cache), max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 52)

@@ -221,14 +221,14 @@ def test_load_model_with_adapter(tmp_path):
 
 def test_a_scorer_for_the_base_model_serves_the_adapted_model(tmp_path):
     """LoRA leaves the base weights alone: the adapted model keeps its base model's fingerprint, so
-    ``make_cache(adapted_model, "kvpop", path=...)`` accepts a scorer trained for the base model."""
+    ``make_cache(adapted_model, "kvpop-mlstm", path=...)`` accepts a scorer trained for the base model."""
     from kvpop.checkpoint import save_scorer
 
     base, model = tiny_model("llama"), _adapted()
     assert model_fingerprint(model) == model_fingerprint(base)
     cfg = ScorerConfig(kind="mlstm", num_layers=2, kv_heads=2, head_dim=16)
     path = save_scorer(build_scorer(cfg), tmp_path / "s.safetensors", {"fingerprint": model_fingerprint(base)})
-    cache = kvpop.make_cache(model, "kvpop", path=path, budget=16, window=4)
+    cache = kvpop.make_cache(model, "kvpop-mlstm", path=path, budget=16, window=4)
     assert cache.budget == 16
     with torch.no_grad():  # a merged adapter changes the base weights: that is another model
         model.get_base_model().model.layers[0].self_attn.k_proj.base_layer.weight.add_(0.1)

@@ -41,10 +41,10 @@ def _run_alone(model, policy, prefix, cont, **kw):
     return torch.cat(out, 1)
 
 
-@pytest.mark.parametrize("policy", ["kvpop", "h2o", "snapkv"])
+@pytest.mark.parametrize("policy", ["kvpop-mlstm", "h2o", "snapkv"])
 def test_batch_repeat_interleave_and_select_keep_every_row_exact(policy):
     model = tiny_model("llama")
-    pol = _learned(model) if policy == "kvpop" else get_policy(policy)
+    pol = _learned(model) if policy == "kvpop-mlstm" else get_policy(policy)
     a, b, c = _ids(30, 1), _ids(30, 2), _ids(30, 3)
     cont = torch.randint(3, 128, (6, 20), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
@@ -82,10 +82,10 @@ def test_shared_policy_instance_in_two_caches_with_different_windows():
     assert snap.obs_window == 5  # a cache with window 4 did not shrink the shared instance
 
 
-@pytest.mark.parametrize("policy", ["kvpop", "tova"])
+@pytest.mark.parametrize("policy", ["kvpop-mlstm", "tova"])
 def test_beam_search_scores_equal_each_beam_run_alone(policy):
     model = tiny_model("llama")
-    pol = _learned(model) if policy == "kvpop" else get_policy(policy)
+    pol = _learned(model) if policy == "kvpop-mlstm" else get_policy(policy)
     prompts = torch.cat([_ids(24, 8), _ids(24, 9)])
     n = 12
     cache = KVpopCache(model.config, policy=pol, **KW)

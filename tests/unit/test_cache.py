@@ -15,7 +15,7 @@ from kvpop.testing.reference import MaskedReference
 warnings.filterwarnings("ignore", category=FutureWarning)
 BASE_POLICIES = ["streaming", "tova", "h2o", "snapkv", "knorm", "random"]
 # "+": position-free keys, observed-attention inputs (three observation windows) and a recency tilt
-ALL_POLICIES = BASE_POLICIES + ["kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+", "kvpop-mlpx"]
+ALL_POLICIES = BASE_POLICIES + ["kvpop-mlstm", "kvpop-mlp", "kvpop-mlstm+", "kvpop-mlp+", "kvpop-mlpx"]
 
 
 # bfloat16 (what the GPU bench runs) next to float32: (dtype, layers, tolerance). In bfloat16 one layer,
@@ -122,7 +122,7 @@ def test_chunked_prefill_equals_token_by_token(policy, chunk, dtype):
         assert torch.equal(sa, sb)
 
 
-@pytest.mark.parametrize("policy", ["streaming", "h2o", "kvpop+"])
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "kvpop-mlstm+"])
 def test_bfloat16_tolerance_catches_a_wrong_slot(policy):
     """The bfloat16 parity tolerance is not so loose that a wrong slot passes: a reference holding one
     slot fewer (one token per head not held from some step on) is far outside it."""
@@ -168,7 +168,7 @@ def test_generate_drop_in_and_positions_follow_seen_tokens():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("policy", ["knorm", "h2o", "random", "kvpop", "kvpop+"])
+@pytest.mark.parametrize("policy", ["knorm", "h2o", "random", "kvpop-mlstm", "kvpop-mlstm+"])
 def test_left_padded_batch_equals_rows_alone(policy, dtype):
     dt, layers, _ = DTYPES[dtype]
     model = tiny_model("llama", num_hidden_layers=layers, dtype=dt)
@@ -369,7 +369,7 @@ def test_older_checkpoint_metadata_reads_as_a_range_and_a_fraction():
     assert fixed.window == 8 and fixed.window_at(100) == 8
 
 
-@pytest.mark.parametrize("policy", ["h2o", "snapkv", "knorm", "kvpop", "kvpop-mlp+"])
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "knorm", "kvpop-mlstm", "kvpop-mlp+"])
 def test_a_chunk_after_steady_decode_equals_masked_reference(policy):
     """The second turn of a chat that reuses the cache: prefill, decode into the steady state, then a
     multi-token chunk (longer than the window, so it is split), then decode again."""
@@ -391,7 +391,7 @@ def test_a_chunk_after_steady_decode_equals_masked_reference(policy):
             assert set(held[head][held[head] >= 0].tolist()) == ref.held(layer, head, ids.shape[1] - 1)
 
 
-@pytest.mark.parametrize("policy", ["knorm", "h2o", "random", "kvpop+"])
+@pytest.mark.parametrize("policy", ["knorm", "h2o", "random", "kvpop-mlstm+"])
 def test_physical_cache_with_a_recency_tilt_equals_masked_reference(policy):
     """lam > 0 (priority r(t) + lam * t) through prefill chunks, the general decode and the steady step."""
     model = tiny_model("llama", num_hidden_layers=2)
@@ -411,7 +411,7 @@ def test_physical_cache_with_a_recency_tilt_equals_masked_reference(policy):
     assert not torch.equal(flat.layers[1].slot_index.sort(-1).values, cache.layers[1].slot_index.sort(-1).values)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "kvpop+"])
+@pytest.mark.parametrize("policy", ["h2o", "kvpop-mlstm+"])
 def test_layer_state_moved_out_and_back_in_equals_the_layer(policy):
     """``KVpopLayer.unload`` / ``load`` (what a serving engine uses to keep each sequence's state in its
     own memory): taking every layer's state out, copying it and loading the copies back before each

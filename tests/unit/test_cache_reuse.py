@@ -16,7 +16,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 KW = {"budget": 14, "window": 4, "sinks": 2}
 NEW = 20  # new tokens per call: the first call leaves 24 + 20 - 1 = 43 tokens seen, past the budget
 # heuristic policies, a learned one whose scorer carries a recurrent state (mLSTM), and one with extra inputs
-POLICIES = ["streaming", "h2o", "kvpop", "kvpop-mlp+"]
+POLICIES = ["streaming", "h2o", "kvpop-mlstm", "kvpop-mlp+"]
 ARCHS = {"llama": {"num_hidden_layers": 2}, "gemma3": {}}  # gemma3: sliding layers next to the bounded ones
 
 
@@ -67,7 +67,7 @@ def test_generate_on_a_used_cache_equals_a_fresh_cache(policy, second, arch):
     assert cache.get_seq_length() == second + NEW - 1
 
 
-@pytest.mark.parametrize("policy", ["h2o", "kvpop"])
+@pytest.mark.parametrize("policy", ["h2o", "kvpop-mlstm"])
 def test_generate_on_a_used_cache_with_another_batch_size(policy):
     """A batch of two left-padded prompts, then one prompt, a batch of three, and a beam search (three
     beams: rows repeated and reordered): each equals a fresh cache."""
@@ -93,7 +93,7 @@ def test_generate_on_a_used_cache_with_the_compiled_step():
     """The compiled steady step (bound to the layer's buffers and the scorer's state) after the cache
     reset itself, also into another batch size: a fresh eager cache's tokens."""
     model = tiny_model("llama", num_hidden_layers=2)
-    pol = _policy("kvpop", model)
+    pol = _policy("kvpop-mlstm", model)
     cache = KVpopCache(model.config, policy=pol, compile=True, **KW)
     _generate(model, _ids(24, 1), cache)
     if cache.compile_status != "compiled":
@@ -103,7 +103,7 @@ def test_generate_on_a_used_cache_with_the_compiled_step():
         assert torch.equal(got, _generate(model, ids, KVpopCache(model.config, policy=pol, compile=False, **KW)))
 
 
-@pytest.mark.parametrize("policy", ["h2o", "kvpop"])
+@pytest.mark.parametrize("policy", ["h2o", "kvpop-mlstm"])
 def test_a_conversation_continues_by_resume_or_reruns_exactly(policy):
     """The second turn passes the whole conversation (the first call's output and new tokens). By
     default the cache starts over, so the tokens are a fresh cache's for the whole conversation; after
@@ -137,7 +137,7 @@ def test_a_conversation_continues_by_resume_or_reruns_exactly(policy):
     assert fed[0] == 10
 
 
-@pytest.mark.parametrize("policy", ["h2o", "kvpop", "kvpop-mlp+"])
+@pytest.mark.parametrize("policy", ["h2o", "kvpop-mlstm", "kvpop-mlp+"])
 def test_reset_equals_a_fresh_cache(policy):
     """After ``cache.reset()`` forward calls (no generate(), so nothing resets by itself) give a fresh
     cache's logits and state exactly: slots, priorities, statistics, counters and the scorer's state."""
@@ -176,7 +176,7 @@ def test_reset_equals_a_fresh_cache(policy):
 def test_reset_before_a_batch_of_another_size():
     """A reset cache takes a next sequence of another batch size, as a fresh cache does."""
     model = tiny_model("llama", num_hidden_layers=2)
-    pol = _policy("kvpop", model)
+    pol = _policy("kvpop-mlstm", model)
     used, fresh = (KVpopCache(model.config, policy=pol, **KW) for _ in range(2))
     with torch.no_grad():
         model(_ids(30, 1), **cache_kwargs(used))

@@ -109,7 +109,7 @@ def test_old_checkpoint_fingerprint_missing_fields_are_not_a_mismatch(tmp_path):
         KVpopCache(tiny_config("llama", num_hidden_layers=3), policy="kvpop-mlp", path=path, **KW)
 
 
-@pytest.mark.parametrize("name", ["kvpop", "kvpop-mlp"])
+@pytest.mark.parametrize("name", ["kvpop-mlstm", "kvpop-mlp"])
 def test_shipped_scorer_refuses_a_tiny_model(name):
     with pytest.raises(ScorerMismatchError, match=r"no shipped mls?t?m?p? scorer fits this model.*2 layers"):
         KVpopCache(tiny_model("llama").config, policy=name, **KW)

@@ -122,7 +122,7 @@ def test_generate_default_policy_is_the_shipped_scorer(tiny, capsys):
     assert "smollm2-135m-instruct-mlp" in err and "different model" in err
 
 
-@pytest.mark.parametrize("kind,policy", [("mlp", "kvpop-mlp"), ("mlstm", "kvpop")])
+@pytest.mark.parametrize("kind,policy", [("mlp", "kvpop-mlp"), ("mlstm", "kvpop-mlstm")])
 def test_generate_scorer_path_picks_its_policy(tiny, capsys, kind, policy):
     root, paths = tiny
     assert _generate(root, "--scorer", str(paths[kind])) == 0
@@ -146,7 +146,7 @@ def test_eval_scorer_is_a_path_routed_by_its_kind(tiny, tmp_path, capsys):
     args = build_parser().parse_args(["--out", "x", "--scorer", str(paths["mlp"]), "--scorer", str(paths["mlstm"])])
     assert config_from_args(args).policy_kwargs == {
         "kvpop-mlp": {"path": str(paths["mlp"])},
-        "kvpop": {"path": str(paths["mlstm"])},
+        "kvpop-mlstm": {"path": str(paths["mlstm"])},
     }
     twice = build_parser().parse_args(["--out", "x", "--scorer", str(paths["mlp"]), "--scorer", str(paths["mlp"])])
     with pytest.raises(ValueError, match="two --scorer checkpoints of policy kvpop-mlp"):
@@ -180,7 +180,7 @@ def test_info_shows_the_split_and_lam_the_cache_would_use(tiny, capsys):
     budget = json.loads(capsys.readouterr().out)["budget"]
     assert budget["policy"] == "knorm" and budget["window"] == 8 and budget["lam"] == 0.0
     # a learned policy named explicitly on the wrong model is the usual clear error
-    assert main(["info", "--model", str(root / "model"), "--policy", "kvpop", "--budget", "16"]) == 2
+    assert main(["info", "--model", str(root / "model"), "--policy", "kvpop-mlstm", "--budget", "16"]) == 2
 
 
 def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
@@ -198,7 +198,10 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
     save_adapter_bundle(add_lora(tiny_model("llama")), scorer, tmp_path / "bundle", {"trained_for": {"budgets": [16]}})
     assert _generate(root, "--adapter", str(tmp_path / "bundle")) == 0  # not the shipped scorer (which would fail)
     err = capsys.readouterr().err
-    assert "adapted model:" in err and "model=adapted policy=kvpop " in err
+    assert "adapted model:" in err and "model=adapted policy=kvpop-mlstm " in err
+    # kvpop: the model's default learned policy, here the mLSTM bundle's, named as the concrete policy
+    assert _generate(root, "--adapter", str(tmp_path / "bundle"), "--policy", "kvpop") == 0
+    assert "model=adapted policy=kvpop-mlstm " in capsys.readouterr().err
     assert _generate(root, "--adapter", str(tmp_path / "bundle"), "--base-model") == 2
     assert "--adapter and --base-model exclude each other" in capsys.readouterr().err
     # a bundle with an MLP scorer serves kvpop-mlp by default (it used to fall back to the shipped mLSTM)
@@ -207,7 +210,7 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
     assert _generate(root, "--adapter", str(tmp_path / "mlp-bundle")) == 0
     err = capsys.readouterr().err
     assert "policy=kvpop-mlp " in err and "adapter bundle" in err
-    assert _generate(root, "--adapter", str(tmp_path / "mlp-bundle"), "--policy", "kvpop") == 2
+    assert _generate(root, "--adapter", str(tmp_path / "mlp-bundle"), "--policy", "kvpop-mlstm") == 2
     assert "whose scorer is a mlp (policy 'kvpop-mlp')" in capsys.readouterr().err
     # one rule in the API: the bundle's scorer through the model and through its config alike
     import kvpop
@@ -218,13 +221,18 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
         kvpop.make_cache(model, "kvpop-mlp", budget=16),
     ):
         assert "adapter bundle" in cache.policy.source and cache.policy.scorer.config.kind == "mlp"
-    # no policy named: the bundle's (the default follows the bundle, whichever kind its scorer is)
-    for cache in (kvpop.KVpopCache(model.config, budget=16), kvpop.make_cache(model, budget=16)):
+    # no policy named, or kvpop: the bundle's (the default follows the bundle, whichever kind its scorer is)
+    for cache in (
+        kvpop.KVpopCache(model.config, budget=16),
+        kvpop.make_cache(model, budget=16),
+        kvpop.KVpopCache(model.config, budget=16, policy="kvpop"),
+        kvpop.make_cache(model, "kvpop", budget=16),
+    ):
         assert "adapter bundle" in cache.policy.source and cache.policy.scorer.config.kind == "mlp"
     assert kvpop.default_policy(model) == "kvpop-mlp" == kvpop.default_policy(config=model.config)
     # the other learned policy by name stays an error that names the one serving the bundle
     with pytest.raises(ValueError, match="whose scorer is a mlp"):
-        kvpop.KVpopCache(model.config, budget=16, policy="kvpop")
+        kvpop.KVpopCache(model.config, budget=16, policy="kvpop-mlstm")
     assert _generate(root, "--adapter", str(tmp_path / "bundle"), "--base-model") == 2
     assert "--adapter and --base-model exclude each other" in capsys.readouterr().err
 
@@ -233,32 +241,37 @@ def test_generate_with_an_adapter_bundle(tiny, tmp_path, capsys, monkeypatch):
         return argparse.Namespace(**{**base, **kw})
 
     monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "bundle")
-    assert _generate_adapter(args(), "kvpop") == "default"  # the embedded model, the policy the mLSTM bundle serves
+    assert (
+        _generate_adapter(args(), "kvpop-mlstm") == "default"
+    )  # the embedded model, the policy the mLSTM bundle serves
     assert _generate_adapter(args(), None) == "default" and _generate_adapter(args(), "kvpop-mlp") is None
-    assert _generate_adapter(args(base_model=True), "kvpop") is None
+    assert _generate_adapter(args(base_model=True), "kvpop-mlstm") is None
     assert _generate_adapter(args(), "streaming") is None
     # one meaning of dense: the model the default runs, alone or as a row of --compare
     assert _generate_adapter(args(), "dense") == "default" == _compare_adapter(args(), ["dense", "streaming"])
     assert _generate_adapter(args(base_model=True), "dense") is None
     assert _generate_adapter(args(model="x"), "dense") is None
     assert _compare_adapter(args(), ["streaming", "h2o"]) is None  # no policy the bundle serves: the base model
-    assert _generate_adapter(args(model="x"), "kvpop") is None and _generate_adapter(args(scorer="s"), "kvpop") is None
+    assert (
+        _generate_adapter(args(model="x"), "kvpop-mlstm") is None
+        and _generate_adapter(args(scorer="s"), "kvpop-mlstm") is None
+    )
     # --compare loads the shipped bundle when the policy its scorer serves is compared
-    assert _compare_adapter(args(), ["dense", "streaming", "kvpop"]) == "default"
+    assert _compare_adapter(args(), ["dense", "streaming", "kvpop-mlstm"]) == "default"
     assert _compare_adapter(args(), ["dense", "streaming", "kvpop-mlp"]) is None
     monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "mlp-bundle")  # an MLP bundle ships
     assert _compare_adapter(args(), ["dense", "streaming", "kvpop-mlp"]) == "default"
     assert (
-        _compare_adapter(args(), ["dense", "kvpop"]) is None
+        _compare_adapter(args(), ["dense", "kvpop-mlstm"]) is None
         and _compare_adapter(args(base_model=True), ["kvpop-mlp"]) is None
     )
     assert _compare_adapter(args(), ["dense", "streaming"]) == "default" == _generate_adapter(args(), "dense")
     # another learned policy by name runs on the base model (the LoRA was adapted under the bundle's scorer)
-    assert _generate_adapter(args(), "kvpop-mlp") == "default" and _generate_adapter(args(), "kvpop") is None
+    assert _generate_adapter(args(), "kvpop-mlp") == "default" and _generate_adapter(args(), "kvpop-mlstm") is None
     assert _generate_adapter(args(), None) == "default"  # none named: the bundle, whichever kind its scorer is
     assert _compare_adapter(args(adapter="x"), ["dense"]) == "x"
     monkeypatch.setattr(checkpoint, "DEFAULT_ADAPTER", tmp_path / "none")
-    assert _generate_adapter(args(), "kvpop") is None  # nothing shipped: the base model
+    assert _generate_adapter(args(), "kvpop-mlstm") is None  # nothing shipped: the base model
 
 
 def test_dense_runs_the_model_the_default_runs_with_the_shipped_bundle():
@@ -274,7 +287,7 @@ def test_dense_runs_the_model_the_default_runs_with_the_shipped_bundle():
     except FileNotFoundError:
         pytest.skip("no adapter bundle ships with this install")
     served = _bundle_policy("default", "kvpop-mlp")
-    other = "kvpop" if served == "kvpop-mlp" else "kvpop-mlp"
+    other = "kvpop-mlstm" if served == "kvpop-mlp" else "kvpop-mlp"
     args = argparse.Namespace(adapter=None, base_model=False, model=None, scorer=None)
     assert _generate_adapter(args, None) == _generate_adapter(args, "dense") == "default"
     assert _generate_adapter(args, served) == "default"
@@ -292,6 +305,7 @@ def test_generate_compare_answers_under_each_policy_with_one_model_load(tiny, ca
     loads = []
     real = kvpop.models.load_model
     monkeypatch.setattr(kvpop.models, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    # kvpop with --scorer: the policy of that scorer, named as the concrete policy in the table
     assert _generate(root, "--compare", "dense,streaming,kvpop", "--scorer", str(paths["mlstm"])) == 0
     out, err = capsys.readouterr()
     assert len(loads) == 1
@@ -299,12 +313,14 @@ def test_generate_compare_answers_under_each_policy_with_one_model_load(tiny, ca
     assert lines[0].startswith("| policy | KV held (vs dense) | prefill tok/s | decode tok/s | decode step | answer |")
     cells = [[c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines[2:]]
     rows = {c[0]: c[1:] for c in cells}
-    assert list(rows) == ["dense", "streaming", "kvpop"]
+    assert list(rows) == ["dense", "streaming", "kvpop-mlstm"]
     assert rows["dense"][0].endswith("(100.0%)") and rows["dense"][3] == "-"  # dense holds every token, no kvpop cache
-    assert rows["streaming"][0].startswith("8.0 KiB (") and rows["kvpop"][0].startswith("8.0 KiB (")  # B = 16 each
-    assert rows["kvpop"][3] == "eager"  # the suite runs eagerly (KVPOP_COMPILE=0)
+    assert rows["streaming"][0].startswith("8.0 KiB (") and rows["kvpop-mlstm"][0].startswith(
+        "8.0 KiB ("
+    )  # B = 16 each
+    assert rows["kvpop-mlstm"][3] == "eager"  # the suite runs eagerly (KVPOP_COMPILE=0)
     assert all(r[4] for r in rows.values())  # every row answered
-    assert "kvpop: KVpopCache(sinks=4, window=4, k=8, budget=16" in err and "[kvpop] model=base;" in err
+    assert "kvpop-mlstm: KVpopCache(sinks=4, window=4, k=8, budget=16" in err and "[kvpop] model=base;" in err
     # the same answers as one policy at a time
     assert _generate(root, "--policy", "streaming") == 0
     assert capsys.readouterr().out.strip().split() == rows["streaming"][4].split()

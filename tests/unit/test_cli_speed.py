@@ -107,13 +107,13 @@ assert not missing and set(kvpop.__all__) <= set(dir(kvpop)), missing
 
 
 def test_the_cli_policy_names_are_the_registry_s():
-    """The parser's policy names (kept torch-free in kvpop.cli.options) are the registry's."""
-    from kvpop import policies
-    from kvpop.cli import options
+    """The parser's policy names (kept torch-free in kvpop.names) are the registry's."""
+    from kvpop import names, policies
 
-    assert list(options.GENERATE_POLICIES) == policies.policy_names(teacher_forced=False)
-    assert list(options.ALL_POLICIES) == policies.policy_names()  # kvpop eval's default grid
-    assert options.DEFAULT_POLICY == policies.DEFAULT_POLICY
+    assert list(names.GENERATE_POLICIES) == policies.policy_names(teacher_forced=False, alias=True)
+    assert list(names.ALL_POLICIES) == policies.policy_names()  # kvpop eval's default grid, without the alias
+    assert names.DEFAULT_POLICY == policies.DEFAULT_POLICY
+    assert list(names.POLICY_NAMES) == policies.policy_names(dense=False, alias=True)
 
 
 # Every subcommand that parses its own options: its --help imports no torch either (its parser lives in

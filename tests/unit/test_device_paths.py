@@ -123,7 +123,7 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
                 "--parity",
                 "streaming",
                 "--rows",
-                "floor,dense,streaming,kvpop",
+                "floor,dense,streaming,kvpop-mlstm",
                 "--model",
                 '{"num_hidden_layers": 2, "vocab_size": 256}',
                 "--out",
@@ -143,8 +143,8 @@ def test_gpu_bench_runs_on_cpu(tmp_path):
     assert [d["context"] for d in res["decode"]] == [80, 120]
     for d in res["decode"]:
         rows = {r["name"]: r for r in d["rows"]}
-        assert set(rows) == {"floor", "dense", "streaming", "kvpop"}, rows
-        assert rows["floor"]["vs_floor"] == 1.0 and rows["kvpop"]["steps"] == 4
+        assert set(rows) == {"floor", "dense", "streaming", "kvpop-mlstm"}, rows
+        assert rows["floor"]["vs_floor"] == 1.0 and rows["kvpop-mlstm"]["steps"] == 4
     assert res["decode"][1]["rows"][3]["prefill_tokens"] == 120 - (80 + 5)  # a row's cache grows across contexts
     with pytest.raises(SystemExit, match="--rows"):
         gpu.main(["--device", "cpu", "--rows", "floor,nope"])

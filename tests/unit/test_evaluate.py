@@ -321,7 +321,7 @@ def test_missing_learned_scorer_is_an_error_unless_skipped(tmp_path):
 def test_eval_checks_the_shipped_scorer_against_the_model():
     """kvpop eval builds learned policies with the model at hand: a scorer for another model is an error
     (or, with skip_unavailable, skipped), with why."""
-    kw = {"tasks": ("lm",), "policies": ("dense", "kvpop"), "compressions": (0.75,)}
+    kw = {"tasks": ("lm",), "policies": ("dense", "kvpop-mlstm"), "compressions": (0.75,)}
     with pytest.raises(PolicyUnavailable, match="different model"):
         run_eval(
             tiny_model("llama"),
@@ -340,4 +340,4 @@ def test_eval_checks_the_shipped_scorer_against_the_model():
         plots=False,
     )
     assert res["policies"] == ["dense"]
-    assert "different model" in res["skipped_policies"]["kvpop"]
+    assert "different model" in res["skipped_policies"]["kvpop-mlstm"]

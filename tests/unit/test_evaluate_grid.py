@@ -482,14 +482,14 @@ def test_unit_filter_limits_a_merge_to_one_grid():
         {"kind": "doc", "policy": "dense", "compression": None},
         {"kind": "needle", "policy": "h2o", "compression": 0.75, "length": 8000},
         {"kind": "needle", "policy": "h2o", "compression": 0.75, "length": 2048},
-        {"kind": "multikey", "policy": "kvpop", "compression": 0.9375, "length": 4096},
+        {"kind": "multikey", "policy": "kvpop-mlstm", "compression": 0.9375, "length": 4096},
     ]
     assert all(unit_filter()(u) for u in units)
     keep = unit_filter(needle_lengths=[2048, 4096], multikey_lengths=[2048])
     assert [keep(u) for u in units] == [True, True, False, True, False]
     keep = unit_filter(tasks=["lm"], compressions=[0.875])
     assert [keep(u) for u in units] == [True, True, False, False, False]
-    assert [unit_filter(policies=["kvpop"])(u) for u in units] == [False, False, False, False, True]
+    assert [unit_filter(policies=["kvpop-mlstm"])(u) for u in units] == [False, False, False, False, True]
 
 
 def test_merged_notes_drop_superseded_resume_hints():

@@ -41,7 +41,19 @@ DTYPES = {"float32": (torch.float32, 2, 1e-5), "bfloat16": (torch.bfloat16, 1, 1
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "policy", ["h2o", "tova", "snapkv", "knorm", "random", "kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlp+", "kvpop-mlpx"]
+    "policy",
+    [
+        "h2o",
+        "tova",
+        "snapkv",
+        "knorm",
+        "random",
+        "kvpop-mlstm",
+        "kvpop-mlp",
+        "kvpop-mlstm+",
+        "kvpop-mlp+",
+        "kvpop-mlpx",
+    ],
 )
 @pytest.mark.parametrize("batch", [1, 2])
 def test_steady_path_equals_general_decode(policy, batch, dtype):
@@ -104,7 +116,7 @@ def test_compiled_step_equals_eager():
     """compile=True (inductor's code for kvpop.step's steady step) gives the eager decisions and outputs."""
     model = tiny_model("llama", num_hidden_layers=2)
     ids = _ids(70)
-    for policy in ("kvpop+", "kvpop-mlp+", "h2o", "knorm", "random"):
+    for policy in ("kvpop-mlstm+", "kvpop-mlp+", "h2o", "knorm", "random"):
         kw = {"budget": 20, "window": 6, "sinks": 2}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
@@ -126,7 +138,7 @@ def test_compiled_step_equals_eager_in_bfloat16():
     dt, layers, tol = DTYPES["bfloat16"]
     model = tiny_model("llama", num_hidden_layers=layers, dtype=dt)
     ids = _ids(60)
-    for policy in ("kvpop+", "h2o"):
+    for policy in ("kvpop-mlstm+", "h2o"):
         kw = {"budget": 20, "window": 6, "sinks": 2}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
@@ -152,7 +164,7 @@ def test_compiled_step_follows_reorder_and_reset():
     model = tiny_model("llama", num_hidden_layers=2)
     ids = _ids(64, batch=2)
     kw = {"budget": 20, "window": 6, "sinks": 2}
-    policy = _policy("kvpop+", model)
+    policy = _policy("kvpop-mlstm+", model)
     caches = [KVpopCache(model.config, policy=policy, compile=c, **kw) for c in (True, False)]
 
     @torch.no_grad()
@@ -256,7 +268,7 @@ def test_torch_compile_path_equals_eager():
     model = tiny_model("llama", num_hidden_layers=2)
     ids = _ids(60, batch=2)
     kw = {"budget": 20, "window": 6, "sinks": 2}
-    for policy in ("kvpop+", "h2o"):
+    for policy in ("kvpop-mlstm+", "h2o"):
         b = KVpopCache(model.config, policy=_policy(policy, model), **kw)
         want = _run(model, b, ids, 30)
         a = KVpopCache(model.config, policy=_policy(policy, model), compile=True, **kw)
@@ -324,7 +336,7 @@ def test_bench_specs_floor_and_compile():
 
     assert parse_policy("dense") == ("dense", None)
     assert parse_policy("floor@64") == ("floor", 64)
-    assert parse_policy("kvpop@512+compile") == ("kvpop+compile", 512)
+    assert parse_policy("kvpop-mlstm@512+compile") == ("kvpop-mlstm+compile", 512)
     with pytest.raises(ValueError, match="floor@budget"):
         parse_policy("h2o")
     model = tiny_model("llama", num_hidden_layers=1)

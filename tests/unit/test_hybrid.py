@@ -23,7 +23,7 @@ from kvpop.testing.reference import MaskedReference
 
 warnings.filterwarnings("ignore", category=FutureWarning)
 # every policy (kvpop.policy_names() but dense, which is no KVpop cache), the learned ones with their extra inputs too
-POLICIES = [p for p in kvpop.policy_names() if p != "dense"] + ["kvpop+", "kvpop-mlp+", "kvpop-mlpx"]
+POLICIES = [p for p in kvpop.policy_names() if p != "dense"] + ["kvpop-mlstm+", "kvpop-mlp+", "kvpop-mlpx"]
 # Gemma 3 (sliding, full, sliding, full; window 8) and Qwen2 with its last two of four layers sliding
 HYBRIDS = {
     "gemma3": {},
@@ -78,7 +78,7 @@ def test_a_model_whose_every_layer_slides_is_refused_before_any_work(arch, overr
     model = tiny_model(arch, **overrides)
     monkeypatch.setattr(kvpop.cache, "get_policy", lambda *a, **k: pytest.fail("a policy was built"))
     with pytest.raises(ValueError, match=r"every layer of this \w+ config slides \(sliding_window=\d+ on all"):
-        KVpopCache(model.config, budget=64, policy="kvpop")
+        KVpopCache(model.config, budget=64, policy="kvpop-mlstm")
     with pytest.raises(ValueError, match="kvpop has nothing to bound"):
         kvpop.make_cache(model, "h2o", budget=64)
 
@@ -115,7 +115,7 @@ def test_physical_cache_equals_masked_reference_and_sliding_layers_their_window(
 
 
 @pytest.mark.parametrize("arch", HYBRIDS)
-@pytest.mark.parametrize("policy", ["streaming", "h2o", "kvpop+"])
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "kvpop-mlstm+"])
 def test_budget_at_least_length_equals_the_model_with_its_own_cache(arch, policy):
     model = tiny_model(arch, **HYBRIDS[arch])
     ids = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(1))
@@ -142,7 +142,7 @@ def test_chunked_prefill_equals_token_by_token(policy):
         assert torch.equal(a.layers[i].slot_index.sort(-1)[0], b.layers[i].slot_index.sort(-1)[0])
 
 
-@pytest.mark.parametrize("policy", ["streaming", "h2o", "random", "kvpop+"])
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "random", "kvpop-mlstm+"])
 def test_left_padded_batch_equals_rows_alone(policy):
     model = tiny_model("gemma3")
     g = torch.Generator().manual_seed(3)
@@ -222,10 +222,10 @@ def test_training_a_scorer_for_a_hybrid_model_starts(tmp_path):
     assert len(summary["history"]) == 2 and all(torch.isfinite(torch.tensor([h["loss"] for h in summary["history"]])))
     scorer, _ = load_scorer(tmp_path / "run" / "scorer.safetensors", model=model)
     assert scorer.config.num_layers == 2  # one per full-attention layer
-    KVpopCache(model.config, 24, policy="kvpop", path=str(tmp_path / "run" / "scorer.safetensors"))
+    KVpopCache(model.config, 24, policy="kvpop-mlstm", path=str(tmp_path / "run" / "scorer.safetensors"))
 
 
-@pytest.mark.parametrize("policy", ["h2o", "kvpop"])
+@pytest.mark.parametrize("policy", ["h2o", "kvpop-mlstm"])
 def test_beam_search_reorders_both_kinds_of_layer(policy):
     """Beam search reorders the bounded and the sliding layers alike: at a budget covering the sequence
     the beams equal the model's own; at a small one every beam's score equals its sequence run alone."""
@@ -259,7 +259,7 @@ def test_beam_search_reorders_both_kinds_of_layer(policy):
 
 
 @pytest.mark.parametrize("arch", list(HYBRIDS))
-@pytest.mark.parametrize("name", ["streaming", "kvpop-mlp+", "kvpop", "oracle"])
+@pytest.mark.parametrize("name", ["streaming", "kvpop-mlp+", "kvpop-mlstm", "oracle"])
 def test_masked_eviction_equals_the_cache_on_hybrid_models(arch, name):
     """One cache-free forward under masked_eviction (what kvpop adapt and the evaluation's window-only
     pass run) equals KVpopCache: full-attention layers masked by the rule, sliding layers their own window;

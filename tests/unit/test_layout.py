@@ -23,6 +23,7 @@ RUNTIME_MODULES = (
     "generate",
     "mask",
     "models",
+    "names",
     "observed",
     "rope",
     "rule",

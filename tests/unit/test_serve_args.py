@@ -48,12 +48,21 @@ def test_no_model_is_the_adapted_default_as_kvpop_generate():
     choice = _choice("--budget", "128")
     assert (choice.kind, choice.path, choice.bundle) == ("adapted", default_gguf_path(), bundle)
     assert _choice("--policy", "kvpop-mlp").kind == "adapted"  # the policy the bundle's scorer serves
-    for argv in (["--base-model"], ["--policy", "streaming"], ["--policy", "kvpop"], ["--scorer", "s.safetensors"]):
+    assert _choice("--policy", "kvpop").kind == "adapted"  # the model's default learned policy: the bundle's
+    for argv in (
+        ["--base-model"],
+        ["--policy", "streaming"],
+        ["--policy", "kvpop-mlstm"],
+        ["--scorer", "s.safetensors"],
+    ):
         assert _choice(*argv).kind == "gguf", argv  # the base model, as `kvpop generate` with the same options
+    args, _ = parse_args(["--budget", "128", "--policy", "kvpop"])  # the settings name the concrete policy
+    assert settings_from_args(args)["policy"] == "kvpop-mlp" == settings_from_args(args, "kvpop-mlp")["policy"]
+    assert settings_from_args(args, "kvpop-mlstm")["policy"] == "kvpop-mlstm"
     args, _ = parse_args(["--budget", "128"])
     raw = settings_from_args(args, "kvpop-mlp", "/m/scorer.safetensors")
     assert raw == {"budget": 128, "policy": "kvpop-mlp", "scorer": "/m/scorer.safetensors"}
-    args, _ = parse_args(["--budget", "128", "--scorer", "mine.safetensors", "--policy", "kvpop"])
+    args, _ = parse_args(["--budget", "128", "--scorer", "mine.safetensors", "--policy", "kvpop-mlstm"])
     assert settings_from_args(args, "kvpop-mlp", "/m/scorer.safetensors")["scorer"] == "mine.safetensors"
 
 

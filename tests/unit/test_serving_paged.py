@@ -132,7 +132,7 @@ def _run_engine(model, policy, eviction, requests, seed):
     return eng, pages, [torch.cat(x) for x in logits]
 
 
-@pytest.mark.parametrize("policy", ["streaming", "h2o", "kvpop", "kvpop-mlp", "kvpop+", "kvpop-mlpx"])
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "kvpop-mlstm", "kvpop-mlp", "kvpop-mlstm+", "kvpop-mlpx"])
 def test_paged_engine_equals_kvpop_cache_per_request(policy):
     model = tiny_model(num_hidden_layers=2)
     pol = _policy(policy, model)

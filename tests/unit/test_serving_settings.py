@@ -38,7 +38,7 @@ def test_bad_settings_name_the_key(raw, words):
         ({"budget": 0}, "budget"),
         ({"budget": 16, "window": 20, "policy": "streaming"}, "window"),
         ({"policy": "h2o"}, "budget"),
-        ({"budget": 64, "policy": "kvpop", "scorer": "/nonexistent/s.safetensors"}, "s.safetensors"),
+        ({"budget": 64, "policy": "kvpop-mlstm", "scorer": "/nonexistent/s.safetensors"}, "s.safetensors"),
         ({"budget": 64}, "no shipped mlp scorer fits this model"),
     ],  # the default policy, on a model without a scorer
 )

@@ -282,17 +282,17 @@ def test_summary_and_table_from_synthetic_records():
     for i in range(4):
         units.append(_rec("niah_single", i, "dense", None, 1.0, seq=100))
         units.append(_rec("niah_single", i, "streaming", 25, [1.0, 0.0, 0.0, 0.0][i]))
-        units.append(_rec("niah_single", i, "kvpop", 25, [1.0, 1.0, 0.5, 0.0][i]))
+        units.append(_rec("niah_single", i, "kvpop-mlstm", 25, [1.0, 1.0, 0.5, 0.0][i]))
     res = summarize(units, [], {"model": "m"}, n_boot=200)
     row = {(r["policy"], r["budget"]): r for r in res["rows"]}
-    kv = row[("kvpop", 25)]
+    kv = row[("kvpop-mlstm", 25)]
     assert kv["score"] == pytest.approx(0.625) and kv["relative_to_dense"] == pytest.approx(0.625)
     assert kv["vs_streaming"] == {"wins": 2, "losses": 0, "ties": 2, "n": 4}
     assert kv["compression"] == pytest.approx(0.75) and kv["ci"][0] <= 0.625 <= kv["ci"][1]
     assert "vs_streaming" not in row[("streaming", 25)]
     md = markdown(res)
     assert "| NIAH single (number) | B=25, 75.0% of 100 | 1.000 | 0.250 (25%) | 0.625 (62%) |" in md
-    assert "| kvpop | B=25, 75.0% of 100 | 0.625 [" in md and "| 2-0-2 |" in md
+    assert "| kvpop-mlstm | B=25, 75.0% of 100 | 0.625 [" in md and "| 2-0-2 |" in md
 
 
 def test_report_and_cli(tmp_path, tok, capsys):

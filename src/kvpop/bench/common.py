@@ -30,7 +30,7 @@ def median(xs: list[float]) -> float:
 
 
 def parse_policy(spec: str) -> tuple[str, int | None]:
-    """``"dense"``, ``"floor@B"`` or ``"name@B"`` (e.g. ``kvpop-mlp@512``; ``kvpop@512+compile`` compiles
+    """``"dense"``, ``"floor@B"`` or ``"name@B"`` (e.g. ``kvpop-mlp@512``; ``kvpop-mlstm@512+compile`` compiles
     the steady decode step). Returns (name, budget); the ``+compile`` suffix stays on the name."""
     if spec == "dense":
         return "dense", None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 # torch, the model code and the plots load inside the functions that run a benchmark, so the parser (`kvpop bench
 # generate --help`, a bad argument) answers at once
-DEFAULT_POLICIES = "dense,floor@512,streaming@512,kvpop@512,kvpop@512+compile,kvpop-mlp@512+compile"
+DEFAULT_POLICIES = "dense,floor@512,streaming@512,kvpop-mlstm@512,kvpop-mlstm@512+compile,kvpop-mlp@512+compile"
 
 
 def run_one(

@@ -76,8 +76,8 @@ DECODE_ROWS = (
     "streaming",
     "tova",
     "tova+compile",
-    "kvpop",
-    "kvpop+compile",
+    "kvpop-mlstm",
+    "kvpop-mlstm+compile",
     "kvpop-mlp",
     "kvpop-mlp+compile",
 )
@@ -233,7 +233,7 @@ def _format_targets(rows: list[dict]) -> str:
 # parity: the cache on this device against the CPU
 # --------------------------------------------------------------------------------------------
 
-PARITY_POLICIES = ("streaming", "tova", "kvpop", "kvpop-mlp")
+PARITY_POLICIES = ("streaming", "tova", "kvpop-mlstm", "kvpop-mlp")
 
 
 @torch.no_grad()
@@ -345,7 +345,9 @@ def _make_cache(model, row: str, budget: int, length: int):
         return StaticCache(config=model.config, max_cache_len=length)
     name = row.removesuffix("+compile")
     policy = (
-        shipped_like_policy(model, {"kvpop": "mlstm", "kvpop-mlp": "mlp"}[name]) if name.startswith("kvpop") else name
+        shipped_like_policy(model, {"kvpop-mlstm": "mlstm", "kvpop-mlp": "mlp"}[name])
+        if name.startswith("kvpop")
+        else name
     )
     return make_cache(model, policy, budget=budget, compile=row.endswith("+compile"))
 

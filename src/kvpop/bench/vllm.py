@@ -215,7 +215,7 @@ def plot(results: dict, out: Path) -> Path:
 def _parse(argv):
     p = argparse.ArgumentParser(prog="kvpop bench vllm", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a model folder (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--policy", default="kvpop", help="kvpop policy served against dense (default kvpop)")
+    p.add_argument("--policy", default="kvpop-mlstm", help="kvpop policy served against dense (default kvpop-mlstm)")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--lengths", default="2048,4096,8192", help="admission: prompt lengths L")
     p.add_argument("--kv-space-mib", type=int, default=512, help="admission: KV cache space of every engine")

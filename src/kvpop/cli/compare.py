@@ -59,7 +59,7 @@ def compare(
 ) -> list[Outcome]:
     """``prompt`` under each of ``policies`` (names; ``"dense"`` for the full cache) with the same
     budget (``cache_kwargs``: ``budget``, ``window``, ``compile``, ... for every bounded policy),
-    ``policy_kwargs`` per policy name (e.g. ``{"kvpop": {"path": ...}}``) and ``generate_kwargs``
+    ``policy_kwargs`` per policy name (e.g. ``{"kvpop-mlstm": {"path": ...}}``) and ``generate_kwargs``
     (``max_new_tokens``, ``chat``, ...) for all."""
     from ..generate import generate
 

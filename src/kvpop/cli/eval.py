@@ -18,7 +18,7 @@ from ..data import SPLITS
 from ..evaluate.store import StoreMismatch, check_out
 from ..evaluate.tasks import DEFAULT_TASKS, MULTIKEY_NAMES, TASKS, TEXT_TASKS
 from ..files import check_writable_dir
-from .options import ALL_POLICIES
+from ..names import ALL_POLICIES
 
 if TYPE_CHECKING:
     from ..evaluate.harness import EvalConfig
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         metavar="PATH",
         help="a scorer checkpoint to evaluate instead of the shipped one (repeatable, one per kind); its kind, "
-        "read from the file, decides whether it is policy kvpop (mlstm) or kvpop-mlp (mlp)",
+        "read from the file, decides whether it is policy kvpop-mlstm (mlstm) or kvpop-mlp (mlp)",
     )
     p.add_argument("--model", help="model folder / .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output folder (records of finished units are kept there)")

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 from ..config import BudgetArgs, budget_of_compression
+from ..names import ALIAS, DEFAULT_POLICY, GENERATE_POLICIES
 from ..validate import check_int
 from .compare import compare, human_bytes, table
-from .options import DEFAULT_POLICY, GENERATE_POLICIES, model_position_limit
+from .options import model_position_limit
 
 EVICTION_POLICIES = list(GENERATE_POLICIES)  # dense + every policy that can generate
 DEMO_QUESTION = "In one sentence, what is the main advice of the essay above?"
@@ -163,7 +164,7 @@ def cmd_info(args) -> int:
     model, _ = models.load_model_quietly(args.model)
     summary = models.model_summary(model.config)
     # the split a cache with this policy would use (a learned scorer's trained window and lam)
-    policy = args.policy or DEFAULT_POLICY
+    policy = _named(args.policy) or DEFAULT_POLICY
     try:
         kv_cache = cache.make_cache(model, policy, **_cache_kwargs(args))
     except checkpoint.ScorerMismatchError:
@@ -240,7 +241,7 @@ def _generate_adapter(args, policy: str | None) -> str | None:
 def _compare_adapter(args, names: list[str | None]) -> str | None:
     """The one model a command runs every policy on: --adapter; else, on the embedded model with its shipped
     bundle (no --model, --scorer or --base-model), the adapted model when a policy runs that it serves -- none
-    named, dense, or the learned policy its scorer serves (an mLSTM bundle: ``kvpop``, an MLP bundle:
+    named, dense, or the learned policy its scorer serves (an mLSTM bundle: ``kvpop-mlstm``, an MLP bundle:
     ``kvpop-mlp``) -- and no other learned policy (the bundle's LoRA was adapted under its own scorer's mask,
     so the other one runs on the base model, with every row); else the base model (``None``). So dense alone,
     the default policy and a dense row of --compare run the same model."""
@@ -260,6 +261,22 @@ def _compare_adapter(args, names: list[str | None]) -> str | None:
     if any(p in policies.LEARNED_POLICIES and p != served for p in names):
         return None
     return "default" if any(p in (None, "dense", served) for p in names) else None
+
+
+def _named(policy: str | None) -> str | None:
+    """A ``--policy`` as the policy it names: ``None`` for the alias kvpop (the model's default learned policy,
+    what a run that names none runs)."""
+    return None if policy == ALIAS else policy
+
+
+def _default_learned(args, adapter: str | None) -> str:
+    """The learned policy kvpop names in a ``--compare`` list: the --scorer's, else the adapter bundle's
+    scorer's, else :data:`kvpop.names.DEFAULT_POLICY` (what ``kvpop generate`` without --policy runs)."""
+    if args.scorer is not None:
+        from ..policies.learned import policy_for_scorer
+
+        return policy_for_scorer(args.scorer)
+    return DEFAULT_POLICY if adapter is None else _bundle_policy(adapter, DEFAULT_POLICY)
 
 
 def _bundle_policy(adapter, default: str) -> str:
@@ -331,7 +348,8 @@ def cmd_compare(args) -> int:
         from ..policies.learned import policy_for_scorer
 
         policy_for_scorer(args.scorer)  # a readable scorer checkpoint, before the model loads
-    adapter = _compare_adapter(args, policies)
+    adapter = _compare_adapter(args, [_named(p) for p in policies])
+    policies = list(dict.fromkeys(_default_learned(args, adapter) if p == ALIAS else p for p in policies))
     model, tok = _load(args, adapter)
     outcomes = compare(
         model,
@@ -362,14 +380,15 @@ def cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     if bounded:
         _check_budget_fits(args)
+    named = _named(args.policy)  # kvpop: the policy a run names none of
     if args.scorer is not None:
         from ..policies.learned import policy_for_scorer
 
-        policy = policy_for_scorer(args.scorer, args.policy)
+        policy = policy_for_scorer(args.scorer, named)
     else:
-        policy = args.policy or DEFAULT_POLICY
-    adapter = _generate_adapter(args, args.policy)
-    if adapter is not None and args.policy is None and args.scorer is None:
+        policy = named or DEFAULT_POLICY
+    adapter = _generate_adapter(args, named)
+    if adapter is not None and named is None and args.scorer is None:
         policy = _bundle_policy(adapter, policy)  # the bundle's scorer decides (an MLP bundle serves kvpop-mlp)
     policy_kwargs = _policy_kwargs(args, policy)
     from ..generate import generate
@@ -449,10 +468,10 @@ def add_parsers(sub) -> None:
         "--policy",
         choices=EVICTION_POLICIES,
         default=None,
-        help=f"eviction policy (default: on the embedded model, the policy of the shipped adapted "
-        f"bundle's scorer, kvpop-mlp; else {DEFAULT_POLICY}, the shipped MLP scorer; with --scorer: "
-        "its kind). dense runs the same model as the default: the adapted bundle on the embedded "
-        "model, unless --base-model",
+        help=f"eviction policy (default, and {ALIAS}: the model's default learned policy: on the embedded "
+        f"model, the policy of the shipped adapted bundle's scorer, kvpop-mlp; else {DEFAULT_POLICY}, the "
+        "shipped MLP scorer; with --scorer: its kind). dense runs the same model as the default: the adapted "
+        "bundle on the embedded model, unless --base-model",
     )
     _add_budget(pg)
     pg.add_argument("--seed", type=int, default=0, help="seed of the random policy")
@@ -460,7 +479,7 @@ def add_parsers(sub) -> None:
         "--scorer",
         metavar="PATH",
         default=None,
-        help="a scorer checkpoint (.safetensors from kvpop train); its kind picks kvpop or kvpop-mlp",
+        help="a scorer checkpoint (.safetensors from kvpop train); its kind picks kvpop-mlp or kvpop-mlstm",
     )
     pg.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     pg.add_argument(

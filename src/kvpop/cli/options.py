@@ -1,11 +1,11 @@
-"""What kvpop's command lines share: argument types, the policy names, the model's position limit,
+"""What kvpop's command lines share: argument types, the model's position limit,
 and the frame of a training command (``kvpop train``, ``kvpop adapt``).
 
 The generate and info commands (:mod:`kvpop.cli.generate`) and each subcommand's own parser
 (:mod:`kvpop.cli.train`, :mod:`kvpop.cli.adapt`, :mod:`kvpop.cli.eval`) import from here, so no
-subcommand imports the top-level command. Importing this module loads no
-torch, transformers or model code (they load inside the functions that use them), so a parser built
-from it answers ``--help`` and a bad argument at once.
+subcommand imports the top-level command; the policy names are :mod:`kvpop.names`'. Importing this module
+loads no torch, transformers or model code (they load inside the functions that use them), so a parser
+built from it answers ``--help`` and a bad argument at once.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ from pathlib import Path
 from ..files import json_safe
 
 __all__ = [
-    "ALL_POLICIES",
-    "DEFAULT_POLICY",
-    "GENERATE_POLICIES",
     "add_run_arguments",
     "budget_range_arg",
     "config_kwargs",
@@ -30,14 +27,6 @@ __all__ = [
     "model_position_limit",
     "run_training_command",
 ]
-
-# The policy names a command line offers, readable without importing torch (kvpop.policies imports it):
-# kvpop.policies.policy_names(teacher_forced=False), kvpop.policies.policy_names() (kvpop eval's grid,
-# kvpop.evaluate.core.ALL_POLICIES) and kvpop.policies.DEFAULT_POLICY, which tests/unit/test_cli_speed.py
-# checks these equal.
-GENERATE_POLICIES = ("dense", "streaming", "tova", "h2o", "snapkv", "knorm", "random", "kvpop-mlp", "kvpop")
-ALL_POLICIES = ("dense", "streaming", "tova", "h2o", "snapkv", "knorm", "random", "oracle", "kvpop-mlp", "kvpop")
-DEFAULT_POLICY = "kvpop-mlp"
 
 
 def ints(text: str) -> tuple[int, ...]:

@@ -18,7 +18,17 @@ from ..cache import KVpopCache, make_cache
 from ..capture import capturing
 from ..config import EvictionConfig, attention_shape, resolve_eviction
 from ..mask import masked_eviction
-from ..policies import DENSE, POLICIES, TEACHER_FORCED_ONLY, OraclePolicy, Policy, policy_names
+from ..policies import (
+    ALIAS,
+    DENSE,
+    LEARNED_POLICIES,
+    POLICIES,
+    TEACHER_FORCED_ONLY,
+    OraclePolicy,
+    Policy,
+    policy_names,
+    resolve_policy,
+)
 from .quality import CHUNK, DenseOutputs, decoder_and_head, hidden_states, logits_of, score_document
 
 ORACLE = TEACHER_FORCED_ONLY[0]
@@ -36,6 +46,25 @@ def policy_available(name: str) -> str | None:
     if name not in POLICIES:
         return f"policy {name!r} is not registered (known: {', '.join(sorted(POLICIES))})"
     return None
+
+
+def concrete_policies(model, policies, policy_kwargs: dict | None = None) -> tuple[tuple[str, ...], dict]:
+    """``(policies, policy_kwargs)`` with the alias ``kvpop`` replaced by the learned policy it stands for on
+    ``model``, so records name the policy that ran: the policy of the scorer its own kwargs give (``path=``,
+    ``scorer=``), else of the one learned policy given a scorer (``--scorer``), else the model's default
+    (:func:`kvpop.policies.resolve_policy`). Its kwargs go to that policy; a name run twice runs once."""
+    kwargs = dict(policy_kwargs or {})
+    if ALIAS not in policies and ALIAS not in kwargs:
+        return tuple(policies), kwargs
+    own = kwargs.pop(ALIAS, None) or {}
+    given = [p for p in LEARNED_POLICIES if {"path", "scorer"} & set(kwargs.get(p) or {})]
+    if own or len(given) != 1:
+        name = resolve_policy(ALIAS, model, scorer=own.get("scorer"), path=own.get("path"))
+    else:
+        name = given[0]
+    if own:
+        kwargs[name] = {**kwargs.get(name, {}), **own}
+    return tuple(dict.fromkeys(name if p == ALIAS else p for p in policies)), kwargs
 
 
 @torch.no_grad()

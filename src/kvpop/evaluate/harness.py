@@ -28,7 +28,7 @@ import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,10 +38,10 @@ from tqdm.auto import tqdm
 from ..checkpoint import DEFAULT_SCORERS, WEIGHTS_SAMPLED_KEY, model_fingerprint, read_header
 from ..config import EvictionConfig, TrainedSettings, resolve_eviction
 from ..data import SPLITS, list_corpora, load_documents, long_documents, read_user_documents
-from ..policies import KIND_TO_POLICY
+from ..policies import ALIAS, KIND_TO_POLICY, default_policy
 from ..policies.learned import ADAPTER_ATTR
 from ..validate import parse_shard
-from .core import ALL_POLICIES, DENSE, ORACLE, PolicyUnavailable, build_cache, policy_available
+from .core import ALL_POLICIES, DENSE, ORACLE, PolicyUnavailable, build_cache, concrete_policies, policy_available
 from .grid import SHARED_DIR, Item, ItemContext, Settings, SharedStore, item_cost, partition, units_of
 from .plots import plot_results
 from .quality import default_continuation_tokens
@@ -113,7 +113,9 @@ class EvalConfig:
     # scorers or settings without looking at the test documents
     split: str = "test"
     seed: int = 0
-    policy_kwargs: dict | None = None  # policy name -> factory kwargs, e.g. {"kvpop": {"path": "scorer.safetensors"}}
+    policy_kwargs: dict | None = (
+        None  # policy name -> factory kwargs, e.g. {"kvpop-mlp": {"path": "scorer.safetensors"}}
+    )
     skip_unavailable: bool = False  # False: a requested policy that cannot be built is an error
     bootstrap: int = 2000  # resamples for the 95% intervals
 
@@ -155,7 +157,7 @@ def quick_config(**overrides) -> EvalConfig:
     corpus of 1024 tokens, compression 0.875 of the document length (B = 128), a few policies."""
     cfg = {
         "tasks": ("lm", "continuation"),
-        "policies": ("dense", "streaming", "tova", "knorm", "oracle", "kvpop-mlp", "kvpop"),
+        "policies": ("dense", "streaming", "tova", "knorm", "oracle", "kvpop-mlp", "kvpop-mlstm"),
         "compressions": (0.875,),
         "reference_length": 1024,
         "docs": 1,
@@ -188,10 +190,10 @@ def scorer_corpora(model, policy: str, kwargs: dict) -> tuple[tuple[str, ...] | 
 
 def in_domain_corpora(model, cfg: EvalConfig, notes: list[str]) -> tuple[str, ...]:
     """The corpora that count as in domain: those the evaluated learned scorer was trained on (policy
-    ``kvpop``'s, else ``kvpop-mlp``'s; with ``--scorer`` that checkpoint's, not the shipped one's).
+    ``kvpop-mlstm``'s, else ``kvpop-mlp``'s; with ``--scorer`` that checkpoint's, not the shipped one's).
     A run of heuristics only uses the shipped mLSTM scorer's, so it lines up with runs that include
     it. When the other evaluated scorer was trained on other corpora, a note says so."""
-    learned = [p for p in ("kvpop", "kvpop-mlp") if p in cfg.policies] or ["kvpop"]
+    learned = [p for p in ("kvpop-mlstm", "kvpop-mlp") if p in cfg.policies] or ["kvpop-mlstm"]
     found = []
     for p in learned:
         try:
@@ -390,11 +392,14 @@ def _adapter_fingerprint(model) -> dict | None:
     return {"path": str(folder), FILE_HASH_KEY: h.hexdigest()[:16]}
 
 
-def _content_kwargs(cfg: EvalConfig) -> dict:
-    """``cfg.policy_kwargs`` as strings, with the sha256 of the scorer file each learned policy reads
-    (``path=`` or the shipped one; every learned policy's, so the fingerprint does not depend on
-    which policies a run selects)."""
-    given = cfg.policy_kwargs or {}
+def content_kwargs(model, policy_kwargs: dict | None) -> dict:
+    """``policy_kwargs`` as strings, with the sha256 of the scorer file each learned policy reads (``path=``
+    or the shipped one; every learned policy's, so the fingerprint does not depend on which policies a run
+    selects), and under the alias ``kvpop`` the entry of the policy it names on ``model``: a folder made
+    when ``kvpop`` named another scorer (before it was the model's default learned policy, it was the
+    mLSTM) is refused, not read as today's ``kvpop``. The fingerprints of ``kvpop eval`` and ``kvpop eval
+    tasks``."""
+    given = policy_kwargs or {}
     kwargs = {k: {a: str(b) for a, b in v.items()} for k, v in given.items()}
     for kind, policy in KIND_TO_POLICY.items():
         kw = given.get(policy) or {}
@@ -403,6 +408,9 @@ def _content_kwargs(cfg: EvalConfig) -> dict:
         digest = file_sha256(kw.get("path") or DEFAULT_SCORERS[kind])
         if digest is not None:
             kwargs[policy] = {**kwargs.get(policy, {}), FILE_HASH_KEY: digest}
+    default = default_policy(model)
+    if default in kwargs:
+        kwargs[ALIAS] = kwargs[default]
     return dict(sorted(kwargs.items()))
 
 
@@ -426,7 +434,7 @@ def fingerprint(model, cfg: EvalConfig) -> dict:
         "agreement_tokens": cfg.agreement_tokens,
         "multikey_keys": cfg.multikey_keys,
         "seed": cfg.seed,
-        "policy_kwargs": _content_kwargs(cfg),
+        "policy_kwargs": content_kwargs(model, cfg.policy_kwargs),
     }
     if cfg.split != "test":
         fp["split"] = cfg.split
@@ -467,6 +475,8 @@ def run_eval(
     if cfg.split not in SPLITS:
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {cfg.split!r}")
     shard = parse_shard(shard)
+    policies, policy_kwargs = concrete_policies(model, cfg.policies, cfg.policy_kwargs)
+    cfg = replace(cfg, policies=policies, policy_kwargs=policy_kwargs or cfg.policy_kwargs)
     budgets = [b.budget for b in cfg.budgets()]
     t_start = time.perf_counter()
     started = _dt.datetime.now().isoformat(timespec="seconds")

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import hashlib
 import json
 import math
 import sys
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .ruler import RULER_TASKS, SPECS
@@ -57,7 +56,7 @@ __all__ = [
 SCHEMA = "kvpop-tasks/1"
 TASKS = ("humaneval", *RULER_TASKS)
 DEFAULT_TASKS = ("humaneval", "niah_single", "niah_multikey", "niah_multivalue", "vt")
-DEFAULT_POLICIES = ("dense", "streaming", "tova", "h2o", "snapkv", "kvpop-mlp", "kvpop", "oracle")
+DEFAULT_POLICIES = ("dense", "streaming", "tova", "h2o", "snapkv", "kvpop-mlp", "kvpop-mlstm", "oracle")
 DENSE, ORACLE, REFERENCE = "dense", "oracle", "streaming"
 LABEL = {
     "humaneval": "HumanEval pass@1",
@@ -205,6 +204,7 @@ def shard_cases(cases: dict[str, list[Case]], shard: tuple[int, int] | None) -> 
 def fingerprint(model, cfg: SuiteConfig) -> dict:
     """What every record of a folder depends on: the model (weights included) and the eviction settings."""
     from ..checkpoint import model_fingerprint
+    from .harness import content_kwargs
 
     fp = {
         "schema": SCHEMA,
@@ -214,36 +214,9 @@ def fingerprint(model, cfg: SuiteConfig) -> dict:
         "window": cfg.window,
         "window_fraction": cfg.window_fraction,
         "lam": cfg.lam,
-        "policy_kwargs": _scorer_kwargs(cfg),
+        "policy_kwargs": content_kwargs(model, cfg.policy_kwargs),
     }
     return json.loads(json.dumps(fp, default=str))  # as run.json will read it back
-
-
-def _sha256(path) -> str | None:
-    try:
-        h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        return h.hexdigest()
-    except OSError:
-        return None
-
-
-def _scorer_kwargs(cfg: SuiteConfig) -> dict:
-    """``cfg.policy_kwargs`` as strings plus the sha256 of the scorer file each learned policy reads (the
-    given ``path`` or the shipped one, for every learned policy whatever the selection): a scorer replaced
-    at the same path is another scorer."""
-    from ..checkpoint import DEFAULT_SCORERS
-    from ..policies import KIND_TO_POLICY
-
-    given = cfg.policy_kwargs or {}
-    out = {k: {a: str(b) for a, b in v.items()} for k, v in given.items()}
-    for kind, policy in KIND_TO_POLICY.items():
-        kw = given.get(policy) or {}
-        if kw.get("scorer") is None and (digest := _sha256(kw.get("path") or DEFAULT_SCORERS[kind])) is not None:
-            out[policy] = {**out.get(policy, {}), "sha256": digest}
-    return dict(sorted(out.items()))
 
 
 def check_records(records: dict[str, dict], cases: dict[str, list[Case]], cfg: SuiteConfig, where) -> None:
@@ -465,13 +438,15 @@ def run_suite(
     from tqdm.auto import tqdm
 
     from ..validate import parse_shard
-    from .core import PolicyUnavailable
+    from .core import PolicyUnavailable, concrete_policies
     from .grid import Settings
     from .harness import unavailable_message
     from .store import RecordStore, load_dirs, session_record, unit_key
 
     cfg = cfg or SuiteConfig()
     cfg.validate()
+    policies, policy_kwargs = concrete_policies(model, cfg.policies, cfg.policy_kwargs)
+    cfg = replace(cfg, policies=policies, policy_kwargs=policy_kwargs or cfg.policy_kwargs)
     shard = parse_shard(shard)
     t_start = time.perf_counter()
     started = _dt.datetime.now().isoformat(timespec="seconds")

@@ -1,27 +1,32 @@
 """Eviction policies by name. One file per policy; ``base.Policy`` is the protocol.
 
-The names are listed here and only here: the CLI's ``--policy`` choices, the evaluation's
-default grid and the benchmarks' defaults all come from :func:`policy_names`.
+The names are the table of :mod:`kvpop.names` (torch-free, for the command lines); the registry here
+holds a factory for each, and the evaluation's default grid and the benchmarks' defaults come from
+:func:`policy_names`. ``"kvpop"`` is an alias: the model's default learned policy, resolved to
+``"kvpop-mlp"`` or ``"kvpop-mlstm"`` by :func:`resolve_policy`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..names import ALIAS, DEFAULT_POLICY, DENSE, KIND_TO_POLICY, LEARNED_POLICIES, TEACHER_FORCED_ONLY
 from .base import ExitBatch, Policy, PolicyKernels, map_state
 from .h2o import H2OPolicy
 from .knorm import KnormPolicy
-from .learned import KIND_TO_POLICY, LearnedPolicy, adapter_scorer, learned_policy_factory
+from .learned import LearnedPolicy, adapter_scorer, learned_policy_factory, policy_for_scorer
 from .oracle import OraclePolicy
 from .random import RandomPolicy
 from .snapkv import SnapKVPolicy
 from .streaming import StreamingPolicy
 from .tova import TovaPolicy
 
-DENSE = "dense"  # not a policy: no eviction, a plain transformers cache
-# the shipped MLP scorer: both shipped scorers are trained over every budget 128..2,048, and the MLP is the
-# better of the two on the test grids (docs/evaluation.md); with an adapter bundle: default_policy
-DEFAULT_POLICY = "kvpop-mlp"
+
+def _default_learned(scorer=None, path=None, model=None, config=None) -> Policy:
+    """Factory registered as the alias ``kvpop``: the learned policy :func:`resolve_policy` picks."""
+    name = resolve_policy(ALIAS, model, config, scorer=scorer, path=path)
+    return POLICIES[name](scorer=scorer, path=path, model=model, config=config)
+
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "streaming": StreamingPolicy,
@@ -31,16 +36,15 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "knorm": KnormPolicy,
     "random": RandomPolicy,
     "oracle": OraclePolicy,
-    "kvpop-mlp": learned_policy_factory("mlp"),
-    "kvpop": learned_policy_factory("mlstm"),
+    ALIAS: _default_learned,
+    **{name: learned_policy_factory(kind) for kind, name in KIND_TO_POLICY.items()},
 }
-LEARNED_POLICIES = tuple(KIND_TO_POLICY.values())  # built from a scorer checkpoint: accept path= and model=
-TEACHER_FORCED_ONLY = ("oracle",)  # needs the whole sequence in advance: not for free generation
 
 
-def policy_names(*, dense: bool = True, teacher_forced: bool = True) -> list[str]:
-    """Every registered name, in table order; ``dense`` first when asked for."""
-    names = [n for n in POLICIES if teacher_forced or n not in TEACHER_FORCED_ONLY]
+def policy_names(*, dense: bool = True, teacher_forced: bool = True, alias: bool = False) -> list[str]:
+    """Every registered name, in table order; ``dense`` first when asked for; the alias ``kvpop`` only with
+    ``alias`` (a command line's choices; a grid of every policy would run one learned policy twice)."""
+    names = [n for n in POLICIES if (teacher_forced or n not in TEACHER_FORCED_ONLY) and (alias or n != ALIAS)]
     return [DENSE, *names] if dense else names
 
 
@@ -48,17 +52,36 @@ def register_policy(name: str, factory: Callable[..., Policy]) -> None:
     """Make a policy available by name."""
     if name == DENSE:
         raise ValueError(f"{DENSE!r} is reserved for no eviction")
+    if name == ALIAS:
+        raise ValueError(f"{ALIAS!r} is reserved for the model's default learned policy")
     POLICIES[name] = factory
 
 
 def default_policy(model=None, config=None) -> str:
-    """The policy a cache uses when none is named: on a model loaded with an adapter bundle
-    (``load_model(adapter=...)``, found through the model or its config) the learned policy its
-    scorer serves (an MLP bundle: ``"kvpop-mlp"``), else :data:`DEFAULT_POLICY`. So
+    """The model's default learned policy, which a cache uses when none is named and the alias ``kvpop``
+    names: on a model loaded with an adapter bundle (``load_model(adapter=...)``, found through the model
+    or its config) the learned policy its scorer serves (an mLSTM bundle: ``"kvpop-mlstm"``), else
+    :data:`DEFAULT_POLICY`, the policy of the scorer kind shipped as the default (the MLP). So
     ``KVpopCache(adapted.config, budget=B)`` runs the bundle's scorer whichever kind it is; naming
     the other learned policy explicitly stays an error that says which one serves the bundle."""
     bundle = adapter_scorer(model, config)
     return DEFAULT_POLICY if bundle is None else KIND_TO_POLICY[bundle[1].config.kind]
+
+
+def resolve_policy(policy: str | Policy | None, model=None, config=None, *, scorer=None, path=None):
+    """``policy`` with the default resolved to a concrete learned policy: ``None`` -> :func:`default_policy`;
+    the alias ``"kvpop"`` -> the policy of the scorer given (``scorer=`` an instance, ``path=`` a
+    checkpoint, its kind read from the file), else :func:`default_policy`; any other name or a policy
+    instance as it is."""
+    if policy is None:
+        return default_policy(model, config)
+    if not isinstance(policy, str) or policy != ALIAS:
+        return policy
+    if scorer is not None:
+        return KIND_TO_POLICY[scorer.config.kind]
+    if path is not None:
+        return policy_for_scorer(str(path))
+    return default_policy(model, config)
 
 
 def get_policy(policy: str | Policy, **kwargs) -> Policy:
@@ -71,6 +94,7 @@ def get_policy(policy: str | Policy, **kwargs) -> Policy:
 
 
 __all__ = [
+    "ALIAS",
     "DEFAULT_POLICY",
     "DENSE",
     "KIND_TO_POLICY",
@@ -93,4 +117,5 @@ __all__ = [
     "map_state",
     "policy_names",
     "register_policy",
+    "resolve_policy",
 ]

@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 from ..config import TrainedSettings, attention_shape
+from ..names import KIND_TO_POLICY
 from ..scorers import ScorerStack
 from .base import ExitBatch, Policy, PolicyKernels
-
-KIND_TO_POLICY = {"mlstm": "kvpop", "mlp": "kvpop-mlp"}
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -46,7 +45,7 @@ class LearnedPolicy(Policy):
 
     @property
     def name(self) -> str:
-        """``"kvpop"`` for an mLSTM scorer, ``"kvpop-mlp"`` for an MLP."""
+        """``"kvpop-mlstm"`` for an mLSTM scorer, ``"kvpop-mlp"`` for an MLP."""
         return KIND_TO_POLICY[self.scorer.config.kind]
 
     @property
@@ -248,7 +247,7 @@ def adapter_scorer(model=None, config=None):
 
 
 def learned_policy_factory(kind: str):
-    """Factory registered as ``kvpop`` / ``kvpop-mlp``: a given scorer, a checkpoint path, the scorer
+    """Factory registered as ``kvpop-mlstm`` / ``kvpop-mlp``: a given scorer, a checkpoint path, the scorer
     of the adapter bundle the model was loaded with, or the shipped one.
 
     One rule for adapted models: on a model loaded with ``load_model(adapter=...)`` the learned

@@ -1,7 +1,7 @@
 """KVpop scorers: small per-(layer, KV head) networks predicting future attention.
 
 * ``KVpopMLP``   ("kvpop-mlp", stateless): MLP on [k_t ; v_t].
-* ``KVpopMLSTM`` ("kvpop", stateful): per-head mLSTM over the [k ; v] stream, read
+* ``KVpopMLSTM`` ("kvpop-mlstm", stateful): per-head mLSTM over the [k ; v] stream, read
   with token t's projection when t leaves the protected window.
 * ``ScorerStack`` holds one scorer per layer; ``build_scorer(ScorerConfig)`` makes one.
 

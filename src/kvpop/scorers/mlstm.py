@@ -162,7 +162,7 @@ def mlstm_step(state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tens
 
 
 class KVpopMLSTM(BaseScorer):
-    """Stateful scorer ("kvpop"): per-KV-head mLSTM over the cache's [k ; v] stream.
+    """Stateful scorer ("kvpop-mlstm"): per-KV-head mLSTM over the cache's [k ; v] stream.
 
     Parameters (H = kv_heads, Din = feature dim, E = dk + dv + 2 + dk + hidden):
       w_proj [H, Din, E], b_proj [H, E]   fused projection; columns

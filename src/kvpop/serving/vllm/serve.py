@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...cli.options import DEFAULT_POLICY
+from ...names import ALIAS, DEFAULT_POLICY
 
 _OPTIONS = (
     "budget",
@@ -95,7 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--budget", type=int, default=None, help="slots per KV head and layer (B)")
     p.add_argument(
-        "--policy", default=None, help=f"kvpop policy (default: the adapted model's scorer's, else {DEFAULT_POLICY})"
+        "--policy",
+        default=None,
+        help=f"kvpop policy (default, and {ALIAS}: the adapted model's scorer's, else {DEFAULT_POLICY}; "
+        f"{ALIAS} with --scorer: that scorer's)",
     )
     p.add_argument(
         "--base-model", action="store_true", help="without MODEL: the embedded model without the shipped adapter"
@@ -109,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--lam", type=float, default=None, help="recency tilt (default: the policy's own)")
     p.add_argument("--prefill-chunk", type=int, default=None)
-    p.add_argument("--scorer", default=None, help="a scorer checkpoint for kvpop / kvpop-mlp")
+    p.add_argument("--scorer", default=None, help="a scorer checkpoint for kvpop-mlp / kvpop-mlstm")
     p.add_argument(
         "--random-seed", dest="seed", type=int, default=None, help="seed of policy random (--seed is vLLM's)"
     )
@@ -155,7 +158,7 @@ def _default_bundle(args: argparse.Namespace) -> Path | None:
         bundle = default_adapter_path()
     except FileNotFoundError:  # no bundle shipped: the base model
         return None
-    return bundle if args.policy is None or args.policy == _bundle_policy(bundle) else None
+    return bundle if args.policy in (None, ALIAS) or args.policy == _bundle_policy(bundle) else None
 
 
 def resolve_model(args: argparse.Namespace) -> ModelChoice:
@@ -200,10 +203,15 @@ def build_model(choice: ModelChoice, progress: bool = True) -> tuple[Path, str |
 
 def settings_from_args(args: argparse.Namespace, policy: str | None = None, scorer: str | None = None) -> dict:
     """The ``additional_config["kvpop"]`` dict the options stand for (defaults left out; the policy always
-    in). ``policy`` / ``scorer``: what serves when the options name none (the adapted model's)."""
+    in, the concrete one the alias kvpop stands for). ``policy`` / ``scorer``: what serves when the options
+    name none (the adapted model's)."""
     defaults = _parser().parse_args([])
     raw = {name: getattr(args, name) for name in _OPTIONS if getattr(args, name) != getattr(defaults, name)}
-    raw["policy"] = args.policy or policy or DEFAULT_POLICY
+    if args.policy == ALIAS and policy is None and args.scorer is not None:
+        from ...policies.learned import policy_for_scorer
+
+        policy = policy_for_scorer(args.scorer)  # kvpop with --scorer: the policy of that scorer
+    raw["policy"] = (None if args.policy == ALIAS else args.policy) or policy or DEFAULT_POLICY
     if args.scorer is None and scorer is not None:
         raw["scorer"] = scorer
     return raw

@@ -15,7 +15,7 @@ from typing import Any
 
 from ...cache import KVpopCache, make_cache
 from ...config import BudgetArgs
-from ...policies import DEFAULT_POLICY, DENSE, LEARNED_POLICIES, POLICIES, TEACHER_FORCED_ONLY
+from ...policies import ALIAS, DEFAULT_POLICY, DENSE, LEARNED_POLICIES, POLICIES, TEACHER_FORCED_ONLY
 
 KEY = "kvpop"  # the additional_config key that switches the plugin on
 
@@ -30,7 +30,8 @@ class ServeSettings(BudgetArgs):
 
     The budget keywords are :class:`kvpop.config.BudgetArgs`' (``budget``, ``k``, ``compression`` +
     ``reference_length``, ``window``, ``sinks``, ``lam``, ``prefill_chunk``), as for ``KVpopCache``.
-    ``policy``: a kvpop policy name (default :data:`kvpop.policies.DEFAULT_POLICY`, the shipped MLP scorer).
+    ``policy``: a kvpop policy name (default :data:`kvpop.policies.DEFAULT_POLICY`, the shipped MLP scorer;
+    ``"kvpop"``: the model's default learned policy, or with ``scorer`` the policy of that scorer).
     ``scorer``: a
     scorer checkpoint for a learned policy (default: the one shipped for the embedded
     SmolLM2-135M-Instruct). ``seed``: for ``policy="random"``. ``compile``: compile the decode steady
@@ -70,9 +71,9 @@ class ServeSettings(BudgetArgs):
                 f"{where}['policy'] = {settings.policy!r} is not a servable policy{hint}; "
                 f"choose one of {', '.join(usable)}"
             )
-        if settings.scorer is not None and settings.policy not in LEARNED_POLICIES:
+        if settings.scorer is not None and settings.policy not in (ALIAS, *LEARNED_POLICIES):
             raise SettingsError(
-                f"{where}['scorer'] is for the learned policies ({', '.join(LEARNED_POLICIES)}), "
+                f"{where}['scorer'] is for the learned policies ({', '.join((ALIAS, *LEARNED_POLICIES))}), "
                 f"not {settings.policy!r}"
             )
         if settings.seed is not None and settings.policy != "random":
