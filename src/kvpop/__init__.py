@@ -7,11 +7,11 @@ imports the module that defines ``X`` the first time it is read.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from .lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -83,7 +83,6 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "targets": ("future_attention",),
     "train.teacher": ("TeacherLabels", "teacher_labels"),
 }
-_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -124,20 +123,8 @@ __all__ = [
     "teacher_labels",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """A public name from its module, or a submodule (``kvpop.models``), imported on first use."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+# a public name from its module, or a submodule (``kvpop.models``), imported on first use
+_EXPORTS, __getattr__, __dir__ = lazy_exports(__name__, _MODULES, globals())
 
 
 class _Package(types.ModuleType):

@@ -194,52 +194,28 @@ def _decode_attend(
     return out.reshape(b, hq, 1, -1).transpose(1, 2)
 
 
-def decode_learned(
-    spec: StepSpec,
-    sspec: DecodeSpec,
-    params: tuple,
-    state,
-    q: Tensor,
-    k_new: Tensor,
-    v_new: Tensor,
-    K: Tensor,
-    V: Tensor,
-    SI: Tensor,
-    LP: Tensor,
-    OBS: Tensor | None,
-    t: Tensor,
-):
+def decode_learned(spec: StepSpec, sspec: DecodeSpec, params: tuple, state, *bufs: Tensor | None):
     """The whole steady step of a learned policy: read, score (``kvpop.scorers.decode``), rule,
-    writes, attention. The scorer's ``state`` (a tuple of tensors the caller owns, or None) is
-    updated IN PLACE, like the buffers (:func:`decode_tail`). Returns ``(out, t + 1)``."""
+    writes, attention. ``bufs``: :func:`decode_tail`'s ``q, k_new, v_new, K, V, SI, LP, OBS, t``. The
+    scorer's ``state`` (a tuple of tensors the caller owns, or None) is updated IN PLACE, like the buffers
+    (:func:`decode_tail`). Returns ``(out, t + 1)``."""
+    _, k_new, v_new, K, V, _, _, OBS, t = bufs
     ex_k, ex_v, obs = exit_gather(spec, K, V, OBS, t)
     new_state, prio = decode_scores(sspec, params, state, k_new, v_new, ex_k, ex_v, t, t - spec.window, obs)
     if state is not None:
         for old, new in zip(state, new_state):
             old.copy_(new)
-    return decode_tail(spec, q, k_new, v_new, K, V, SI, LP, OBS, t, ex_k, ex_v, prio)
+    return decode_tail(spec, *bufs, ex_k, ex_v, prio)
 
 
-def decode_scored(
-    spec: StepSpec,
-    score,
-    consts: tuple,
-    q: Tensor,
-    k_new: Tensor,
-    v_new: Tensor,
-    K: Tensor,
-    V: Tensor,
-    SI: Tensor,
-    LP: Tensor,
-    OBS: Tensor | None,
-    t: Tensor,
-):
+def decode_scored(spec: StepSpec, score, consts: tuple, *bufs: Tensor | None):
     """The whole steady step of a policy with a pure score function (``Policy.steady_score``):
-    read, ``score(consts, ex_k, ex_v, ex_obs, exit_index)``, rule, writes, attention. Returns
-    ``(out, t + 1)``."""
+    read, ``score(consts, ex_k, ex_v, ex_obs, exit_index)``, rule, writes, attention. ``bufs``:
+    :func:`decode_tail`'s ``q, k_new, v_new, K, V, SI, LP, OBS, t``. Returns ``(out, t + 1)``."""
+    _, _, _, K, V, _, _, OBS, t = bufs
     ex_k, ex_v, obs = exit_gather(spec, K, V, OBS, t)
     prio = score(consts, ex_k, ex_v, obs, t - spec.window).reshape(K.shape[0], K.shape[1])
-    return decode_tail(spec, q, k_new, v_new, K, V, SI, LP, OBS, t, ex_k, ex_v, prio)
+    return decode_tail(spec, *bufs, ex_k, ex_v, prio)
 
 
 # --- prefill: a chunk of tokens per row -------------------------------------------------------------

@@ -21,6 +21,7 @@ RUNTIME_MODULES = (
     "config",
     "files",
     "generate",
+    "lazy",
     "mask",
     "models",
     "names",

@@ -15,9 +15,9 @@ The command line is :mod:`kvpop.cli.adapt`::
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
     from .config import AdaptConfig
@@ -30,7 +30,6 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "loop": ("adapt",),
     "quality": ("AdaptProbe", "compare_adapted"),
 }
-_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "AdaptConfig",
@@ -39,18 +38,6 @@ __all__ = [
     "compare_adapted",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """A public name from its module, imported on first use: importing a submodule (the command lines read
-    ``kvpop.train.config``) loads no torch or model code it does not need."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")  # a submodule, as after the eager imports of old
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+# a public name from its module, imported on first use: importing a submodule (the command lines read
+# ``kvpop.train.config``) loads no torch or model code it does not need
+_EXPORTS, __getattr__, __dir__ = lazy_exports(__name__, _MODULES, globals())

@@ -321,39 +321,18 @@ class Comparison:
 
 
 @torch.no_grad()
-def compare_adapted(
-    base_model,
-    bundle,
-    docs,
-    budgets=None,
-    *,
-    streaming_bundle=None,
-    base_scorer=None,
-    windows: dict | None = None,
-    sinks: int | None = None,
-    lam: float | None = None,
-    merge: bool = False,
-) -> dict:
+def compare_adapted(base_model, bundle, docs, budgets=None, **options) -> dict:
     """Retention of the adapted and the base model under kvpop and StreamingLLM, and the adapted
     model dense, all against the BASE model's dense outputs, on ``docs`` (1-D token-id tensors, or
-    ``(label, ids)`` pairs); the other arguments as :class:`Comparison`. ``kvpop compare-adapted``
+    ``(label, ids)`` pairs); the other arguments, and the keyword ``options`` (``streaming_bundle``,
+    ``base_scorer``, ``windows``, ``sinks``, ``lam``, ``merge``), as :class:`Comparison`. ``kvpop compare-adapted``
     is the resumable, splittable command over the test splits.
 
     Returns ``{"budgets": {"B": {row: lm metrics + "continuation" (its metrics) + "per_doc"}},
     "settings": {...}}``; rows: ``adapted kvpop``, ``adapted streaming``, ``base kvpop``, ``base
     streaming``, ``adapted dense`` (and ``streaming+ dense`` with ``streaming_bundle``).
     """
-    cmp = Comparison(
-        base_model,
-        bundle,
-        budgets,
-        streaming_bundle=streaming_bundle,
-        base_scorer=base_scorer,
-        windows=windows,
-        sinks=sinks,
-        lam=lam,
-        merge=merge,
-    )
+    cmp = Comparison(base_model, bundle, budgets, **options)
     docs = [d if isinstance(d, tuple) else (f"doc{i}", d) for i, d in enumerate(docs)]
     scores: dict[int, dict[str, list[DocumentScore]]] = {b: {r: [] for r in cmp.rows} for b in cmp.budgets}
     for _, ids in docs:

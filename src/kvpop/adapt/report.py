@@ -27,7 +27,7 @@ from ..evaluate import harness
 from ..evaluate.plotting import pyplot, save_figure
 from ..evaluate.quality import Sums, doc_key, wins
 from ..evaluate.stats import bootstrap_pooled, sums_from_dict, sums_to_dict
-from ..evaluate.store import RecordStore, StoreMismatch
+from ..evaluate.store import RecordStore, StoreMismatch, shard_tag
 from ..files import atomic_write
 from ..validate import parse_shard
 from .config import ROW_ORDER
@@ -253,7 +253,7 @@ def run(args) -> int:
     }
     fingerprint = {k: settings[k] for k in ("budgets", "doc_tokens", "windows", "sinks", "lam", "base_scorer", "model")}
     out = Path(args.out)
-    tag = "main" if shard is None else f"shard-{shard[0]}-of-{shard[1]}"
+    tag = shard_tag(shard)
     try:
         store = RecordStore(out, fingerprint, tag=tag)
     except StoreMismatch as exc:

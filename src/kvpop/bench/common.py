@@ -29,6 +29,18 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def step_row(name: str, step_ms: float, floor_ms: float, dense_ms: float, steps: int) -> dict:
+    """A decode-step row of the benchmarks: the median step and its ratios to the floor's and to dense's."""
+    return {
+        "name": name,
+        "step_ms": step_ms,
+        "vs_floor": step_ms / floor_ms,
+        "vs_dense": step_ms / dense_ms,
+        "overhead_share": 1 - floor_ms / step_ms,
+        "steps": steps,
+    }
+
+
 def parse_policy(spec: str) -> tuple[str, int | None]:
     """``"dense"``, ``"floor@B"`` or ``"name@B"`` (e.g. ``kvpop-mlp@512``; ``kvpop-mlstm@512+compile`` compiles
     the steady decode step). Returns (name, budget); the ``+compile`` suffix stays on the name."""

@@ -51,7 +51,7 @@ from ..policies import LearnedPolicy
 from ..rope import RopeSpec
 from ..scorers import build_scorer
 from ..targets import future_attention
-from .common import write_json
+from .common import step_row, write_json
 
 SMOLLM2_135M = {  # the embedded model's architecture (its config.json, without the weights)
     "hidden_size": 576,
@@ -428,12 +428,7 @@ def decode_part(
             step = 1000 * statistics.median(st["times"])
             out_rows.append(
                 {
-                    "name": row,
-                    "step_ms": step,
-                    "vs_floor": step / floor,
-                    "vs_dense": step / dense,
-                    "overhead_share": 1 - floor / step,
-                    "steps": len(st["times"]),
+                    **step_row(row, step, floor, dense, len(st["times"])),
                     "first_step_s": st["first_s"],
                     "prefill_s": st["prefill_s"],
                     "prefill_tokens": st["prefilled"],

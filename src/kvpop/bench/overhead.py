@@ -32,7 +32,7 @@ from ..evaluate.plotting import pyplot, save_figure
 from ..models import load_model_quietly
 from ..policies import POLICIES, get_policy, policy_names
 from ..policies.learned import policy_for_scorer
-from .common import median, text_ids, write_json
+from .common import median, step_row, text_ids, write_json
 
 
 def _plot(result: dict, out: Path) -> Path:
@@ -150,14 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     out_rows = []
     for name, r in rows.items():
         step = 1000 * median(r["times"])
-        row = {
-            "name": name,
-            "step_ms": step,
-            "vs_floor": step / floor_ms,
-            "vs_dense": step / dense_ms,
-            "overhead_share": 1 - floor_ms / step,
-            "steps": len(r["times"]),
-        }
+        row = step_row(name, step, floor_ms, dense_ms, len(r["times"]))
         if "first_s" in r:
             row["first_step_s"] = r["first_s"]
             phases: dict[str, float] = {}

@@ -44,21 +44,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
         texts="adapt on",
         corpora=TRAIN_CORPORA,
         range_help="(window: the scorer's trained fraction of B)",
-        int_fields=(
-            "seq_len",
-            "batch_size",
-            "sinks",
-            "lora_r",
-            "steps",
-            "top_k",
-            "logit_chunk",
-            "query_block",
-            "val_docs",
-            "val_every",
-            "ckpt_every",
-            "seed",
-            "stop_after",
-        ),
+        int_fields=("lora_r", "top_k", "logit_chunk", "query_block"),
         float_fields=("lr", "scorer_lr", "weight_decay", "temperature", "tau"),
     )
     p.add_argument(

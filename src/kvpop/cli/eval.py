@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..data import SPLITS
+from ..evaluate.options import add_eviction_arguments, add_run_switches, add_scorer_argument, given_fields
 from ..evaluate.store import StoreMismatch, check_out
 from ..evaluate.tasks import DEFAULT_TASKS, MULTIKEY_NAMES, TASKS, TEXT_TASKS
 from ..files import check_writable_dir
@@ -45,6 +46,33 @@ NUMBER_LIMITS: dict[str, tuple[tuple[str, float], ...]] = {
     "max_minutes": ((">", 0),),
 }
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+# argument dest -> EvalConfig field, for the arguments given (the same name but --compression)
+CONFIG_FIELDS = {
+    name: name
+    for name in (
+        "tasks",
+        "policies",
+        "reference_length",
+        "sinks",
+        "window",
+        "docs",
+        "window_fraction",
+        "lam",
+        "doc_tokens",
+        "continuation_tokens",
+        "longdep_threshold",
+        "corpora",
+        "split",
+        "needle_lengths",
+        "needle_depths",
+        "multikey_lengths",
+        "multikey_cases",
+        "multikey_keys",
+        "agreement_tokens",
+        "seed",
+        "bootstrap",
+    )
+} | {"compression": "compressions"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,21 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="compression ratios of --reference-length (default 0.75 0.875 0.9375)",
     )
     p.add_argument("--reference-length", type=int, help="L in B = (1 - compression) L (default 4096)")
-    p.add_argument("--sinks", type=int, help="sink tokens (default 4)")
-    p.add_argument(
-        "--window", type=int, help="one protected window for every policy (StreamingLLM: always the whole budget)"
-    )
-    p.add_argument(
-        "--window-fraction",
-        type=float,
-        help="window = fraction * B for every window-based policy, the same for all (default: each "
-        "policy's own, as a cache resolves it: B / 2, or a learned scorer's trained fraction)",
-    )
-    p.add_argument(
-        "--lam",
-        type=float,
-        help="recency tilt r(t) + lam * t for every policy (default: a learned scorer's trained lam, else 0)",
-    )
+    add_eviction_arguments(p)
     p.add_argument("--docs", type=int, help="documents per corpus / user source (default 2)")
     p.add_argument("--doc-tokens", type=int, help="tokens per LM document (default 4096)")
     p.add_argument("--continuation-tokens", type=int, help="continuation = the last N predictions (default doc/16)")
@@ -126,17 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agreement-tokens", type=int, help="greedy tokens for the agreement task (default 256)")
     p.add_argument("--seed", type=int, help="seed of the needle / multi-key cases (default 0)")
     p.add_argument("--bootstrap", type=int, help="bootstrap resamples for the intervals (default 2000)")
-    p.add_argument(
-        "--scorer",
-        action="append",
-        metavar="PATH",
-        help="a scorer checkpoint to evaluate instead of the shipped one (repeatable, one per kind); its kind, "
-        "read from the file, decides whether it is policy kvpop-mlstm (mlstm) or kvpop-mlp (mlp)",
-    )
+    add_scorer_argument(p)
     p.add_argument("--model", help="model folder / .gguf (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="output folder (records of finished units are kept there)")
     p.add_argument("--shard", metavar="I/N", help="run the I-th of N parts (whole documents / cases, balanced)")
-    p.add_argument("--max-minutes", type=float, help="stop starting new units after this long (rerun to continue)")
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -156,8 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="preset: lm (+ continuation), 1 doc/corpus of 1024 tokens, compression 0.875 of 1024, 7 policies",
     )
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--no-plots", action="store_true")
+    add_run_switches(p)
     return p
 
 
@@ -165,34 +171,7 @@ def config_from_args(args) -> EvalConfig:
     from ..evaluate.harness import EvalConfig, quick_config
     from ..policies.learned import scorer_policy_kwargs
 
-    over = {}
-    for name, key in [
-        ("tasks", "tasks"),
-        ("policies", "policies"),
-        ("compression", "compressions"),
-        ("reference_length", "reference_length"),
-        ("sinks", "sinks"),
-        ("window", "window"),
-        ("docs", "docs"),
-        ("window_fraction", "window_fraction"),
-        ("lam", "lam"),
-        ("doc_tokens", "doc_tokens"),
-        ("continuation_tokens", "continuation_tokens"),
-        ("longdep_threshold", "longdep_threshold"),
-        ("corpora", "corpora"),
-        ("split", "split"),
-        ("needle_lengths", "needle_lengths"),
-        ("needle_depths", "needle_depths"),
-        ("multikey_lengths", "multikey_lengths"),
-        ("multikey_cases", "multikey_cases"),
-        ("multikey_keys", "multikey_keys"),
-        ("agreement_tokens", "agreement_tokens"),
-        ("seed", "seed"),
-        ("bootstrap", "bootstrap"),
-    ]:
-        v = getattr(args, name, None)
-        if v is not None:
-            over[key] = tuple(v) if isinstance(v, list) else v
+    over = given_fields(args, CONFIG_FIELDS)
     if over.get("window_fraction") == 0:
         over["window_fraction"] = None  # each policy's own default window
     if getattr(args, "skip_unavailable", False):

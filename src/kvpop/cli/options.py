@@ -20,6 +20,7 @@ from pathlib import Path
 from ..files import json_safe
 
 __all__ = [
+    "RUN_INT_FIELDS",
     "add_run_arguments",
     "budget_range_arg",
     "config_kwargs",
@@ -27,6 +28,20 @@ __all__ = [
     "model_position_limit",
     "run_training_command",
 ]
+
+
+# the integer settings of a training run that kvpop train and kvpop adapt both take (as --seq-len, ...)
+RUN_INT_FIELDS = (
+    "seq_len",
+    "batch_size",
+    "sinks",
+    "steps",
+    "seed",
+    "val_docs",
+    "val_every",
+    "ckpt_every",
+    "stop_after",
+)
 
 
 def ints(text: str) -> tuple[int, ...]:
@@ -54,7 +69,8 @@ def add_run_arguments(
 ) -> None:
     """The arguments ``kvpop train`` and ``kvpop adapt`` share: the model, the data (``texts``: what the
     command does with them, e.g. "train on"), the budgets, validation budgets, the numeric fields of
-    ``defaults`` (a config) named in ``int_fields`` / ``float_fields``, the device and progress."""
+    ``defaults`` (a config) in :data:`RUN_INT_FIELDS` and named in ``int_fields`` / ``float_fields``, the
+    device and progress."""
     p.add_argument("--model", default=None, help="local HF folder or .gguf (default: embedded SmolLM2)")
     p.add_argument(
         "--corpora",
@@ -83,7 +99,7 @@ def add_run_arguments(
         default=(),
         help="budgets of the validation probe (default: --budgets, or three spanning --budget-range)",
     )
-    for name in int_fields:
+    for name in (*RUN_INT_FIELDS, *int_fields):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     for name in float_fields:
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))

@@ -30,21 +30,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
         corpora=TRAIN_CORPORA,
         range_help="(one scorer for every budget in between; the window is the captured one nearest "
         "--window-fraction of B)",
-        int_fields=(
-            "seq_len",
-            "batch_size",
-            "sinks",
-            "steps",
-            "seed",
-            "val_docs",
-            "val_every",
-            "ckpt_every",
-            "hidden",
-            "dk",
-            "dv",
-            "stop_after",
-            "cycle",
-        ),
+        int_fields=("hidden", "dk", "dv", "cycle"),
         float_fields=("lam", "tau", "lr", "weight_decay"),
     )
     p.add_argument(

@@ -17,9 +17,9 @@ CLI: ``kvpop eval ...`` (see :mod:`kvpop.cli.eval`).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from typing import TYPE_CHECKING, Any
+
+from ..lazy import lazy_exports
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
     from .core import ALL_POLICIES, DENSE, PolicyUnavailable, build_cache, policy_available, teacher_forced
@@ -56,7 +56,6 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "stats": ("aggregate", "bootstrap_mean", "bootstrap_pooled"),
     "tasks": ("DEFAULT_TASKS", "TASKS", "greedy", "multikey_cases", "needle_cases"),
 }
-_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "ALL_POLICIES",
@@ -89,21 +88,14 @@ __all__ = [
 ]
 
 
+_EXPORTS, _getattr, __dir__ = lazy_exports(__name__, _MODULES, globals())
+
+
 def __getattr__(name: str) -> Any:
     """A public name from its module, imported on first use: importing a submodule (the command lines read
-    ``kvpop.train.config``) loads no torch or model code it does not need."""
+    ``kvpop.evaluate.store``) loads no torch or model code it does not need."""
     if name == "IN_DOMAIN":  # read on first use, not at import (kvpop.evaluate.harness.shipped_training_corpora)
         from .harness import shipped_training_corpora
 
         return shipped_training_corpora()
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")  # a submodule, as after the eager imports of old
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    return _getattr(name)

@@ -132,6 +132,17 @@ def build_cache(
         raise PolicyUnavailable(f"cannot build policy {name!r}: {exc}") from exc
 
 
+def cache_record(cache: KVpopCache) -> dict:
+    """What a unit record keeps of the cache it ran with: its layout (``sinks``, ``window``, ``k``) and, for a
+    learned policy, the ``scorer`` it read."""
+    e = cache.eviction
+    out = {"sinks": e.sinks, "window": e.window, "k": e.k}
+    src = getattr(cache.policy, "source", None)
+    if src is not None:
+        out["scorer"] = str(src)
+    return out
+
+
 @torch.no_grad()
 def teacher_forced(
     model,

@@ -28,7 +28,9 @@ from ..policies import Policy
 from .core import (
     DENSE,
     ORACLE,
+    PolicyUnavailable,
     build_cache,
+    cache_record,
     nll_positions,
     oracle_targets_multi,
     policy_available,
@@ -98,12 +100,44 @@ class Settings:
             ).policy
         return self.resolved[name]
 
+    def cache(self, model, name: str, budget: int | None, oracle=None):
+        """The cache of policy ``name`` at ``budget`` under these settings (``None`` for dense): the instance
+        :meth:`policy` resolved; ``oracle``: the oracle's targets (:func:`kvpop.evaluate.core.build_cache`)."""
+        return build_cache(
+            model,
+            self.policy(model, name, budget),
+            budget,
+            sinks=self.sinks,
+            window=self.window_for(budget),
+            oracle=oracle,
+            lam=self.lam,
+        )
+
     def window_for(self, budget: int) -> int | None:
         """The protected window of every policy at ``budget``: ``window``, else the one resolver's rule at
         ``window_fraction`` of ``B`` (leaving room for the sinks); None: each policy's own default."""
         if self.window is None and self.window_fraction is None:
             return None
         return TrainedSettings(window=self.window, window_fraction=self.window_fraction).window_at(budget, self.sinks)
+
+
+def available_policies(model, names, settings: Settings, budget: int) -> tuple[list[str], dict[str, str]]:
+    """(available, {unavailable: reason}): each of ``names`` built once for ``model`` at ``budget`` under
+    ``settings`` (:meth:`Settings.policy`: a learned scorer checks it was trained for this model), before
+    any long work."""
+    ok, bad = [], {}
+    for p in dict.fromkeys(names):
+        reason = policy_available(p)
+        if reason is None and p not in (DENSE, ORACLE):
+            try:
+                settings.policy(model, p, budget)
+            except PolicyUnavailable as exc:
+                reason = str(exc)
+        if reason is None:
+            ok.append(p)
+        else:
+            bad[p] = reason
+    return ok, bad
 
 
 def units_of(item: Item, policies, budgets) -> list[tuple[str, int | None]]:
@@ -298,16 +332,7 @@ class ItemContext:
         return self._dense_new
 
     def cache(self, policy: str, budget: int):
-        oracle = self.oracle() if policy == ORACLE else None
-        return build_cache(
-            self.model,
-            self.s.policy(self.model, policy, budget),
-            budget,
-            sinks=self.s.sinks,
-            window=self.s.window_for(budget),
-            oracle=oracle,
-            lam=self.s.lam,
-        )
+        return self.s.cache(self.model, policy, budget, self.oracle() if policy == ORACLE else None)
 
     # -------------------------------------------------------------------------- units
 
@@ -341,11 +366,7 @@ class ItemContext:
         t0 = time.perf_counter()
         cache = None if policy == DENSE else self.cache(policy, budget)
         if cache is not None:
-            e = cache.eviction
-            rec.update(sinks=e.sinks, window=e.window, k=e.k)
-            src = getattr(cache.policy, "source", None)
-            if src is not None:
-                rec["scorer"] = str(src)
+            rec.update(cache_record(cache))
         if item.kind == "doc":
             rec.update(self._doc(cache, budget))
         else:

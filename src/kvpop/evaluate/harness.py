@@ -20,7 +20,6 @@ cost); :func:`merge` combines folders. ``results.json`` is always rebuilt from a
 
 from __future__ import annotations
 
-import datetime as _dt
 import functools
 import hashlib
 import json
@@ -41,8 +40,18 @@ from ..data import SPLITS, list_corpora, load_documents, long_documents, read_us
 from ..policies import ALIAS, KIND_TO_POLICY, default_policy
 from ..policies.learned import ADAPTER_ATTR
 from ..validate import parse_shard
-from .core import ALL_POLICIES, DENSE, ORACLE, PolicyUnavailable, build_cache, concrete_policies, policy_available
-from .grid import SHARED_DIR, Item, ItemContext, Settings, SharedStore, item_cost, partition, units_of
+from .core import ALL_POLICIES, PolicyUnavailable, concrete_policies
+from .grid import (
+    SHARED_DIR,
+    Item,
+    ItemContext,
+    Settings,
+    SharedStore,
+    available_policies,
+    item_cost,
+    partition,
+    units_of,
+)
 from .plots import plot_results
 from .quality import default_continuation_tokens
 from .report import markdown_report, text_table
@@ -52,9 +61,9 @@ from .store import (
     FILE_HASH_KEY,
     WEIGHTS_KEY,
     RecordStore,
+    Session,
     check_fingerprint,
     load_dirs,
-    session_record,
     unit_key,
 )
 from .tasks import DEFAULT_TASKS, TASKS, TEXT_TASKS, multikey_cases, needle_cases
@@ -113,9 +122,8 @@ class EvalConfig:
     # scorers or settings without looking at the test documents
     split: str = "test"
     seed: int = 0
-    policy_kwargs: dict | None = (
-        None  # policy name -> factory kwargs, e.g. {"kvpop-mlp": {"path": "scorer.safetensors"}}
-    )
+    # policy name -> factory kwargs, e.g. {"kvpop-mlp": {"path": "scorer.safetensors"}}
+    policy_kwargs: dict | None = None
     skip_unavailable: bool = False  # False: a requested policy that cannot be built is an error
     bootstrap: int = 2000  # resamples for the 95% intervals
 
@@ -271,28 +279,7 @@ def check_policies(model, cfg: EvalConfig) -> tuple[list[str], dict[str, str]]:
     """(available, {unavailable: reason}): each requested policy is built once for ``model`` at the
     first budget (a learned scorer checks it was trained for this model), before any long work."""
     settings = cfg.settings()
-    budget = settings.budgets[0]
-    ok, bad = [], {}
-    for p in dict.fromkeys(cfg.policies):
-        reason = policy_available(p)
-        if reason is None and p not in (DENSE, ORACLE):
-            try:
-                build_cache(
-                    model,
-                    p,
-                    budget,
-                    sinks=cfg.sinks,
-                    window=settings.window_for(budget),
-                    lam=cfg.lam,
-                    **dict((cfg.policy_kwargs or {}).get(p, {})),
-                )
-            except PolicyUnavailable as exc:
-                reason = str(exc)
-        if reason is None:
-            ok.append(p)
-        else:
-            bad[p] = reason
-    return ok, bad
+    return available_policies(model, cfg.policies, settings, settings.budgets[0])
 
 
 def unavailable_message(bad: dict[str, str]) -> str:
@@ -478,15 +465,13 @@ def run_eval(
     policies, policy_kwargs = concrete_policies(model, cfg.policies, cfg.policy_kwargs)
     cfg = replace(cfg, policies=policies, policy_kwargs=policy_kwargs or cfg.policy_kwargs)
     budgets = [b.budget for b in cfg.budgets()]
-    t_start = time.perf_counter()
-    started = _dt.datetime.now().isoformat(timespec="seconds")
+    session = Session(shard)
     notes = list(notes or [])
     policies, skipped = check_policies(model, cfg)
     if skipped and not cfg.skip_unavailable:
         raise PolicyUnavailable(unavailable_message(skipped))
-    tag = "main" if shard is None else f"shard-{shard[0]}-of-{shard[1]}"
     fp = fingerprint(model, cfg)
-    store = RecordStore(None if dry_run else out, fp, tag)
+    store = RecordStore(None if dry_run else out, fp, session.tag)
     if dry_run and out is not None and check_fingerprint(out, fp) is not None:  # its records serve this run
         _, done_units, _ = load_dirs([out])
         store.records = {u["key"]: u for u in done_units}
@@ -533,8 +518,8 @@ def run_eval(
             if max_units is not None and ran >= max_units:
                 stopped = f"stopped after {ran} units (max_units)"
                 break
-            if time_limit_s is not None and time.perf_counter() - t_start > time_limit_s:
-                stopped = f"stopped after {time.perf_counter() - t_start:.0f}s (time limit), {ran} units run"
+            if time_limit_s is not None and time.perf_counter() - session.t_start > time_limit_s:
+                stopped = f"stopped after {time.perf_counter() - session.t_start:.0f}s (time limit), {ran} units run"
                 break
             left[it.id] -= 1
             if p not in skipped:
@@ -559,11 +544,7 @@ def run_eval(
         remaining = len(todo) - ran
         if stopped:
             notes.append(f"{stopped}; {remaining} units of this run remain: {RESUME_HINT}")
-        session = session_record(
-            tag=tag,
-            shard=shard,
-            started=started,
-            t_start=t_start,
+        line = session.record(
             interrupted=interrupted,
             tasks=cfg.tasks,
             policies=policies,
@@ -578,11 +559,8 @@ def run_eval(
             python=platform.python_version(),
             torch=torch.__version__,
         )
-        store.add_session(session)
-    if out is not None:
-        _, units, sessions = load_dirs([out])
-    else:
-        units, sessions = list(store.records.values()), [session]
+        store.add_session(line)
+    _, units, sessions = store.collected(line)
     results = build_results(units, sessions, fp, cfg=cfg)
     if out is not None:
         write_results(results, out, plots=plots)

@@ -15,14 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from .plotting import pyplot, save_figure
+from .report import PRIMARY
 
-PRIMARY = {
-    "lm": "retention",
-    "continuation": "retention",
-    "needle": "accuracy",
-    "multikey": "accuracy",
-    "agreement": "match_rate",
-}
 LABEL = {
     "retention": "retention (ppl_dense / ppl_policy)",
     "accuracy": "accuracy",

@@ -11,6 +11,7 @@ LABEL = {
     "multikey": "Multi-key recall",
     "agreement": "Greedy agreement with dense",
 }
+# each task's primary metric (the tables and plots lead with it)
 PRIMARY = {
     "lm": "retention",
     "continuation": "retention",
@@ -83,6 +84,11 @@ def _domains(rows: list[dict]):
     return budgets, comps, per
 
 
+def _table_head(title: str, head: list[str]) -> list[str]:
+    """A Markdown table's title line and header."""
+    return [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+
 def _doc_tables(task: str, rows: list[dict]) -> list[str]:
     lines = []
     budgets, comps, per = _domains(rows)
@@ -91,15 +97,11 @@ def _doc_tables(task: str, rows: list[dict]) -> list[str]:
         for b in budgets:
             c = f"{comps[b]:.4g}"
             head += [f"{c}: all tokens", f"{c}: long-dep tokens", f"{c}: W-L vs streaming (all / long-dep)"]
-        lines += [
-            (
-                f"**{LABEL[task]} — {domain}** ({recs[0]['n_items']} documents; retention = ppl_dense / "
-                "ppl_policy, [95% bootstrap CI over documents])"
-            ),
-            "",
-            "| " + " | ".join(head) + " |",
-            "|" + "---|" * len(head),
-        ]
+        lines += _table_head(
+            f"**{LABEL[task]} — {domain}** ({recs[0]['n_items']} documents; retention = ppl_dense / "
+            "ppl_policy, [95% bootstrap CI over documents])",
+            head,
+        )
         for p in policies:
             row = [p]
             for b in budgets:
@@ -139,15 +141,11 @@ def _choice_tables(task: str, rows: list[dict]) -> list[str]:
     for domain, recs, cell, policies in per:
         lengths = sorted({int(L) for r in recs for L in r.get("by_length", {})})
         head = ["policy"] + [f"{comps[b]:.4g} (B={b})" for b in budgets]
-        lines += [
-            (
-                f"**{LABEL[task]} — {domain}** (accuracy over {recs[0]['n_items']} cases [95% bootstrap CI]; "
-                f"by length {'/'.join(map(str, lengths))}; W-L vs streaming per case)"
-            ),
-            "",
-            "| " + " | ".join(head) + " |",
-            "|" + "---|" * len(head),
-        ]
+        lines += _table_head(
+            f"**{LABEL[task]} — {domain}** (accuracy over {recs[0]['n_items']} cases [95% bootstrap CI]; "
+            f"by length {'/'.join(map(str, lengths))}; W-L vs streaming per case)",
+            head,
+        )
         for p in policies:
             row = [p]
             for b in budgets:

@@ -240,6 +240,14 @@ class RecordStore:
         with open(self.out / SESSIONS_FILE, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(session, allow_nan=False, default=str) + "\n")
 
+    def collected(self, session: dict) -> tuple[dict, list[dict], list[dict]]:
+        """``(fingerprint, unit records, sessions)`` a run's summary is made from: everything in the output
+        folder (other processes' records and sessions too, :func:`load_dirs`), or without a folder this
+        process's own (``session``: its line)."""
+        if self.out is None:
+            return self.fingerprint, list(self.records.values()), [session]
+        return load_dirs([self.out])
+
 
 def load_dirs(dirs) -> tuple[dict, list[dict], list[dict]]:
     """(fingerprint, unit records, sessions) of several output folders, which must agree on the
@@ -283,35 +291,36 @@ def load_dirs(dirs) -> tuple[dict, list[dict], list[dict]]:
     return fingerprint or {}, list(records.values()), sessions
 
 
-def session_record(
-    *,
-    tag: str,
-    shard,
-    started: str,
-    t_start: float,
-    interrupted: bool,
-    tasks,
-    policies,
-    budgets,
-    skipped,
-    notes,
-    units_run: int,
-    **extra,
-) -> dict:
-    """One session of an evaluation run as its sessions file keeps it: what ran, when, for how long, what stopped it
-    (``t_start`` a ``time.perf_counter()`` reading); ``extra`` adds a command's own fields."""
-    return {
-        "tag": tag,
-        "shard": None if shard is None else f"{shard[0]}/{shard[1]}",
-        "started": started,
-        "finished": datetime.datetime.now().isoformat(timespec="seconds"),
-        "wall_s": time.perf_counter() - t_start,
-        "interrupted": interrupted,
-        "tasks": list(tasks),
-        "policies": policies,
-        "budgets": budgets,
-        "skipped_policies": skipped,
-        "notes": notes,
-        "units_run": units_run,
-        **extra,
-    }
+def shard_tag(shard: tuple[int, int] | None) -> str:
+    """The name of a process's records file: ``main``, or ``shard-I-of-N`` for shard ``(I, N)``."""
+    return "main" if shard is None else f"shard-{shard[0]}-of-{shard[1]}"
+
+
+class Session:
+    """One process's part of an evaluation run: its shard and records tag (:func:`shard_tag`), when it
+    started; :meth:`record` is its line of the sessions file."""
+
+    def __init__(self, shard: tuple[int, int] | None) -> None:
+        self.shard = shard
+        self.tag = shard_tag(shard)
+        self.started = datetime.datetime.now().isoformat(timespec="seconds")
+        self.t_start = time.perf_counter()
+
+    def record(self, *, interrupted: bool, tasks, policies, budgets, skipped, notes, units_run: int, **extra) -> dict:
+        """The session as its sessions file keeps it: what ran, when, for how long, what stopped it;
+        ``extra`` adds a command's own fields."""
+        return {
+            "tag": self.tag,
+            "shard": None if self.shard is None else f"{self.shard[0]}/{self.shard[1]}",
+            "started": self.started,
+            "finished": datetime.datetime.now().isoformat(timespec="seconds"),
+            "wall_s": time.perf_counter() - self.t_start,
+            "interrupted": interrupted,
+            "tasks": list(tasks),
+            "policies": policies,
+            "budgets": budgets,
+            "skipped_policies": skipped,
+            "notes": notes,
+            "units_run": units_run,
+            **extra,
+        }

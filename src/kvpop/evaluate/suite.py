@@ -28,7 +28,6 @@ reproducible setting; each record says which batch size made it.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import sys
@@ -37,6 +36,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from .options import add_eviction_arguments, add_run_switches, add_scorer_argument, given_fields
 from .ruler import RULER_TASKS, SPECS
 
 __all__ = [
@@ -245,25 +245,6 @@ def check_records(records: dict[str, dict], cases: dict[str, list[Case]], cfg: S
             )
 
 
-def check_policies(model, cfg: SuiteConfig, settings, budget: int) -> tuple[list[str], dict[str, str]]:
-    """(available, {unavailable: reason}): each policy built once (a learned scorer checks its model)."""
-    from .core import PolicyUnavailable, policy_available
-
-    ok, bad = [], {}
-    for p in dict.fromkeys((DENSE, *cfg.policies)):
-        reason = policy_available(p)
-        if reason is None and p not in (DENSE, ORACLE):
-            try:
-                settings.policy(model, p, budget)
-            except PolicyUnavailable as exc:
-                reason = str(exc)
-        if reason is None:
-            ok.append(p)
-        else:
-            bad[p] = reason
-    return ok, bad
-
-
 def auto_budgets(dense: list[dict], compressions) -> list[int]:
     """``round((1 - c) * mean sequence length)`` of the dense records, largest first."""
     mean = sum(r["seq_len"] for r in dense) / len(dense)
@@ -286,27 +267,15 @@ def generate_batch(model, tokenizer, prompts: list, max_new_tokens: int, cache=N
     batch; ``cache`` None is dense. One prompt is :func:`kvpop.evaluate.tasks.greedy` exactly."""
     import torch
 
-    from ..compat import cache_kwargs
+    from .tasks import generate_greedy, pad_id
 
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     n = max(p.numel() for p in prompts)
-    ids = torch.full((len(prompts), n), pad, dtype=torch.long)
+    ids = torch.full((len(prompts), n), pad_id(tokenizer), dtype=torch.long)
     mask = torch.zeros((len(prompts), n), dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, n - p.numel() :] = p
         mask[i, n - p.numel() :] = 1
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=ids.to(model.device),
-            attention_mask=mask.to(model.device),
-            **cache_kwargs(cache),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=pad,
-        )
+    out = generate_greedy(model, tokenizer, ids, mask, max_new_tokens, cache)
     stop = stop if stop is not None else eos_ids(model, tokenizer)
     rows = []
     for row in out[:, n:].cpu():
@@ -331,6 +300,7 @@ class _Runner:
 
     def record(self, case: Case, policy: str, budget: int | None, new, wall_s: float, batch: int, cache) -> dict:
         from . import humaneval, ruler
+        from .core import cache_record
         from .store import unit_key
 
         text = self.tokenizer.decode(new, skip_special_tokens=True)
@@ -354,11 +324,7 @@ class _Runner:
             "k": None,
         }
         if cache is not None:
-            e = cache.eviction
-            rec.update(sinks=e.sinks, window=e.window, k=e.k)
-            src = getattr(cache.policy, "source", None)
-            if src is not None:
-                rec["scorer"] = str(src)
+            rec.update(cache_record(cache))
             rec["compile_status"] = cache.compile_status  # timings differ between a compiled and an eager decode
         if case.task == "humaneval":
             rec.update(humaneval.score_completion(case.payload, text, self.limits))
@@ -368,24 +334,9 @@ class _Runner:
             rec["new_ids"] = [int(t) for t in new]  # the oracle's future after a restart
         return rec
 
-    def _cache(self, policy: str, budget: int | None, oracle=None):
-        from .core import build_cache
-
-        if policy == DENSE:
-            return None
-        return build_cache(
-            self.model,
-            self.s.policy(self.model, policy, budget),
-            budget,
-            sinks=self.s.sinks,
-            window=self.s.window_for(budget),
-            oracle=oracle,
-            lam=self.s.lam,
-        )
-
     def run_batch(self, cases: list[Case], policy: str, budget: int | None, oracle=None, max_new: int | None = None):
         t0 = time.perf_counter()
-        cache = self._cache(policy, budget, oracle)
+        cache = self.s.cache(self.model, policy, budget, oracle)
         news = generate_batch(
             self.model, self.tokenizer, [c.ids for c in cases], max_new or cases[0].max_new_tokens, cache, self.stop
         )
@@ -439,17 +390,16 @@ def run_suite(
 
     from ..validate import parse_shard
     from .core import PolicyUnavailable, concrete_policies
-    from .grid import Settings
+    from .grid import Settings, available_policies
     from .harness import unavailable_message
-    from .store import RecordStore, load_dirs, session_record, unit_key
+    from .store import RecordStore, Session, load_dirs, unit_key
 
     cfg = cfg or SuiteConfig()
     cfg.validate()
     policies, policy_kwargs = concrete_policies(model, cfg.policies, cfg.policy_kwargs)
     cfg = replace(cfg, policies=policies, policy_kwargs=policy_kwargs or cfg.policy_kwargs)
     shard = parse_shard(shard)
-    t_start = time.perf_counter()
-    started = _dt.datetime.now().isoformat(timespec="seconds")
+    session = Session(shard)
     notes = list(notes or [])
     settings = Settings(
         sinks=cfg.sinks,
@@ -459,12 +409,13 @@ def run_suite(
         budgets=tuple(cfg.budgets),
         policy_kwargs=dict(cfg.policy_kwargs or {}),
     )
-    policies, skipped = check_policies(model, cfg, settings, min(cfg.budgets) if cfg.budgets else 64)
+    policies, skipped = available_policies(
+        model, (DENSE, *cfg.policies), settings, min(cfg.budgets) if cfg.budgets else 64
+    )
     if skipped and not cfg.skip_unavailable:
         raise PolicyUnavailable(unavailable_message(skipped))
-    tag = "main" if shard is None else f"shard-{shard[0]}-of-{shard[1]}"
     fp = fingerprint(model, cfg)
-    store = RecordStore(out, fp, tag)
+    store = RecordStore(out, fp, session.tag)
     all_cases = build_cases(tokenizer, cfg, filler, problems, notes)
     check_records(store.records, all_cases, cfg, out)
     mine = shard_cases(all_cases, shard)
@@ -479,7 +430,7 @@ def run_suite(
     stopped, interrupted = None, True
 
     def out_of_time() -> bool:
-        return time_limit_s is not None and time.perf_counter() - t_start > time_limit_s
+        return time_limit_s is not None and time.perf_counter() - session.t_start > time_limit_s
 
     try:
         for task, cases in mine.items():  # dense first: the reference, the oracle's future, the auto budgets
@@ -542,16 +493,12 @@ def run_suite(
                             break
         interrupted = False
     except _Stop:
-        stopped = f"stopped after {time.perf_counter() - t_start:.0f}s (time limit), {runner.ran} units run"
+        stopped = f"stopped after {time.perf_counter() - session.t_start:.0f}s (time limit), {runner.ran} units run"
         notes.append(f"{stopped}; rerun the same command to continue")
         interrupted = False
     finally:
         bar.close()
-        session = session_record(
-            tag=tag,
-            shard=shard,
-            started=started,
-            t_start=t_start,
+        line = session.record(
             interrupted=interrupted,
             tasks=cfg.tasks,
             policies=policies,
@@ -563,11 +510,8 @@ def run_suite(
             threads=torch.get_num_threads(),
             device=str(model.device),
         )
-        store.add_session(session)
-    if out is not None:
-        fp_all, units, sessions = load_dirs([out])
-    else:
-        fp_all, units, sessions = fp, list(store.records.values()), [session]
+        store.add_session(line)
+    fp_all, units, sessions = store.collected(line)
     results = summarize(units, sessions, fp_all, n_boot=cfg.bootstrap)
     if out is not None:
         write_summary(results, out, plots=plots)
@@ -902,10 +846,7 @@ def build_parser() -> argparse.ArgumentParser:
         "trained on the human_eval corpus' train split)",
     )
     p.add_argument("--timeout", type=float, help="seconds per HumanEval program (default 10)")
-    p.add_argument("--sinks", type=int, help="sink tokens (default 4)")
-    p.add_argument("--window", type=int, help="one protected window for every policy (default: each policy's own)")
-    p.add_argument("--window-fraction", type=float, help="window = fraction * B for every window-based policy")
-    p.add_argument("--lam", type=float, help="recency tilt for every policy (default: a learned scorer's own, else 0)")
+    add_eviction_arguments(p)
     p.add_argument("--seed", type=int, help="seed of the RULER cases (default 0)")
     p.add_argument(
         "--batch-size",
@@ -913,12 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="cases generated together per policy and budget, left-padded (default 1: exactly "
         "reproducible; the oracle always runs one at a time)",
     )
-    p.add_argument(
-        "--scorer",
-        action="append",
-        metavar="PATH",
-        help="a scorer checkpoint instead of the shipped one (repeatable, one per kind)",
-    )
+    add_scorer_argument(p)
     p.add_argument(
         "--model",
         help="model folder / .gguf / embedded name (default: the embedded SmolLM2-135M-Instruct, "
@@ -926,7 +862,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="output folder (records of finished units are kept there); required unless --report")
     p.add_argument("--shard", metavar="I/N", help="run every N-th case of each task, starting at the I-th")
-    p.add_argument("--max-minutes", type=float, help="stop starting new units after this long (rerun to continue)")
     p.add_argument(
         "--report",
         nargs="+",
@@ -935,34 +870,34 @@ def build_parser() -> argparse.ArgumentParser:
         "default the first folder); loads no model",
     )
     p.add_argument("--bootstrap", type=int, help="bootstrap resamples for the intervals (default 2000)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--no-plots", action="store_true")
+    add_run_switches(p)
     return p
 
 
+# argument dest -> SuiteConfig field, for the arguments given (the same name but two)
+CONFIG_FIELDS = {
+    name: name
+    for name in (
+        "tasks",
+        "policies",
+        "compressions",
+        "cases",
+        "context_length",
+        "humaneval_max_new_tokens",
+        "humaneval_split",
+        "sinks",
+        "window",
+        "window_fraction",
+        "lam",
+        "seed",
+        "batch_size",
+        "bootstrap",
+    )
+} | {"max_new_tokens": "ruler_max_new_tokens", "timeout": "timeout_s"}
+
+
 def config_from_args(args) -> SuiteConfig:
-    over: dict = {}
-    for name, key in [
-        ("tasks", "tasks"),
-        ("policies", "policies"),
-        ("compressions", "compressions"),
-        ("cases", "cases"),
-        ("context_length", "context_length"),
-        ("max_new_tokens", "ruler_max_new_tokens"),
-        ("humaneval_max_new_tokens", "humaneval_max_new_tokens"),
-        ("humaneval_split", "humaneval_split"),
-        ("timeout", "timeout_s"),
-        ("sinks", "sinks"),
-        ("window", "window"),
-        ("window_fraction", "window_fraction"),
-        ("lam", "lam"),
-        ("seed", "seed"),
-        ("batch_size", "batch_size"),
-        ("bootstrap", "bootstrap"),
-    ]:
-        v = getattr(args, name, None)
-        if v is not None:
-            over[key] = tuple(v) if isinstance(v, list) else v
+    over = given_fields(args, CONFIG_FIELDS)
     budgets = [b.lower() for b in args.budgets]
     if budgets != ["auto"]:
         try:

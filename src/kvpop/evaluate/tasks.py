@@ -36,29 +36,39 @@ TEXT_TASKS = ("lm", "continuation", "agreement")  # tasks that run on a document
 # ------------------------------------------------------------------------------ generation
 
 
-def greedy(model, tokenizer, prompt_ids: Tensor, max_new_tokens: int, cache=None, force_length: bool = False) -> Tensor:
-    """Greedy new token ids (1-D) after ``prompt_ids`` (1-D), with ``cache`` (None: dense)."""
+def pad_id(tokenizer) -> int:
+    """The token that pads a batch: the tokenizer's pad token, else its end of sequence."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def generate_greedy(model, tokenizer, ids: Tensor, mask: Tensor, max_new_tokens: int, cache=None, **kw) -> Tensor:
+    """``model.generate`` of ``ids`` ``[b, n]`` (``mask``: its attention mask), greedy, with ``cache`` (None:
+    dense); ``kw`` to ``generate`` too. Returns the whole sequences."""
     import torch  # the task names and case text load without torch (the parser of kvpop eval reads them)
 
     with torch.no_grad():
-        ids = prompt_ids.view(1, -1).to(model.device)
-        kw = {}
-        if force_length:
-            kw["min_new_tokens"] = max_new_tokens
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
+        return model.generate(
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
             **cache_kwargs(cache),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             temperature=None,
             top_p=None,
             top_k=None,
-            pad_token_id=pad,
+            pad_token_id=pad_id(tokenizer),
             **kw,
         )
-        return out[0, ids.shape[1] :].cpu()
+
+
+def greedy(model, tokenizer, prompt_ids: Tensor, max_new_tokens: int, cache=None, force_length: bool = False) -> Tensor:
+    """Greedy new token ids (1-D) after ``prompt_ids`` (1-D), with ``cache`` (None: dense)."""
+    import torch
+
+    ids = prompt_ids.view(1, -1)
+    kw = {"min_new_tokens": max_new_tokens} if force_length else {}
+    out = generate_greedy(model, tokenizer, ids, torch.ones_like(ids), max_new_tokens, cache, **kw)
+    return out[0, ids.shape[1] :].cpu()
 
 
 def agreement_result(dense_new: Tensor, new: Tensor) -> dict:

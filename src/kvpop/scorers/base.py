@@ -22,6 +22,7 @@ With ``input_norm=False`` the raw ``[k_t ; v_t]`` (2*head_dim) is used.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -193,6 +194,13 @@ class BaseScorer(nn.Module):
     is_stateful: bool = False
     kv_heads: int
     head_dim: int
+
+    @classmethod
+    def from_config(cls, config: ScorerConfig, layer_idx: int = 0):
+        """The scorer of layer ``layer_idx`` that ``config`` describes: each constructor argument is the
+        config's field of the same name, the seed the config's plus ``layer_idx``."""
+        names = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "seed")]
+        return cls(**{n: getattr(config, n) for n in names}, seed=config.seed + layer_idx)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -16,7 +16,6 @@ from torch import Tensor, nn
 
 from .base import (
     BaseScorer,
-    ScorerConfig,
     across_heads,
     feature_dim,
     head_linear,
@@ -67,19 +66,6 @@ class KVpopMLP(BaseScorer):
         self.w2 = nn.Parameter(torch.empty(H, self.hidden, 1))
         self.b2 = nn.Parameter(torch.empty(H))
         self.reset_parameters(seed)
-
-    @classmethod
-    def from_config(cls, config: ScorerConfig, layer_idx: int = 0) -> KVpopMLP:
-        return cls(
-            config.kv_heads,
-            config.head_dim,
-            config.hidden,
-            input_norm=config.input_norm,
-            eps=config.eps,
-            seed=config.seed + layer_idx,
-            n_extra=config.n_extra,
-            cross_heads=config.cross_heads,
-        )
 
     def reset_parameters(self, seed: int = 0) -> None:
         g = seeded_generator(seed)

@@ -54,7 +54,6 @@ from torch import Tensor, nn
 
 from .base import (
     BaseScorer,
-    ScorerConfig,
     feature_dim,
     head_linear,
     head_score,
@@ -220,25 +219,6 @@ class KVpopMLSTM(BaseScorer):
         self.w_extra = nn.Parameter(torch.empty(H, self.n_extra, self.dk + self.hidden)) if self.n_extra else None
         self.q_scale = 1.0 / math.sqrt(self.dk)
         self.reset_parameters(seed)
-
-    @classmethod
-    def from_config(cls, config: ScorerConfig, layer_idx: int = 0) -> KVpopMLSTM:
-        return cls(
-            config.kv_heads,
-            config.head_dim,
-            config.dk,
-            config.dv,
-            config.hidden,
-            input_norm=config.input_norm,
-            read_mlp=config.read_mlp,
-            h_norm=config.h_norm,
-            forget_gate=config.forget_gate,
-            forget_bias=config.forget_bias,
-            chunk_size=config.chunk_size,
-            eps=config.eps,
-            seed=config.seed + layer_idx,
-            n_extra=config.n_extra,
-        )
 
     def reset_parameters(self, seed: int = 0) -> None:
         """Deterministic init: projections N(0, 1/Din), gate weights N(0, 0.1^2/Din), input-gate

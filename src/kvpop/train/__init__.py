@@ -16,9 +16,9 @@ The command line is :mod:`kvpop.cli.train`::
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
     from .config import HELD_OUT, TRAIN_CORPORA, TrainConfig
@@ -29,7 +29,6 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "config": ("HELD_OUT", "TRAIN_CORPORA", "TrainConfig"),
     "loop": ("train",),
 }
-_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "HELD_OUT",
@@ -38,18 +37,6 @@ __all__ = [
     "train",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """A public name from its module, imported on first use: importing a submodule (the command lines read
-    ``kvpop.train.config``) loads no torch or model code it does not need."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")  # a submodule, as after the eager imports of old
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+# a public name from its module, imported on first use: importing a submodule (the command lines read
+# ``kvpop.train.config``) loads no torch or model code it does not need
+_EXPORTS, __getattr__, __dir__ = lazy_exports(__name__, _MODULES, globals())
