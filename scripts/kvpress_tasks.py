@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvpop.checkpoint import model_fingerprint
-    from kvpop.evaluate.store import RecordStore, load_dirs, session_record, unit_key
+    from kvpop.evaluate.store import RecordStore, Session, load_dirs, unit_key
     from kvpop.evaluate.suite import DENSE, build_cases, eos_ids, summarize, write_summary
 
     fp = json.loads((args.like / "run.json").read_text())
@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if u["budget"] is not None and u["policy"] != DENSE:
             budgets.setdefault(u["task"], set()).add(int(u["budget"]))
     t0 = time.perf_counter()
+    session = Session(None)
     model = AutoModelForCausalLM.from_pretrained(fp["model"], dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(fp["model"])
     if model_fingerprint(model) != fp["model_fingerprint"]:
@@ -236,22 +237,21 @@ def main(argv: list[str] | None = None) -> int:
         ran += 1
     bar.close()
     store.add_session(
-        session_record(
-            tag="kvpress",
-            shard=None,
-            started=time.strftime("%Y-%m-%dT%H:%M:%S"),
-            t_start=t0,
-            interrupted=False,
-            tasks=list(cases),
-            policies=[f"kvpress-{n}" for n in args.presses],
-            budgets={t: sorted(v) for t, v in budgets.items()},
-            skipped={},
-            notes=notes,
-            units_run=ran,
-            config={"like": str(args.like), "presses": args.presses, "interval": args.interval},
-            threads=torch.get_num_threads(),
-            device="cpu",
-        )
+        {
+            **session.record(
+                interrupted=False,
+                tasks=list(cases),
+                policies=[f"kvpress-{n}" for n in args.presses],
+                budgets={t: sorted(v) for t, v in budgets.items()},
+                skipped={},
+                notes=notes,
+                units_run=ran,
+                config={"like": str(args.like), "presses": args.presses, "interval": args.interval},
+                threads=torch.get_num_threads(),
+                device="cpu",
+            ),
+            "tag": "kvpress",
+        }
     )
     fp_all, units, sessions = load_dirs([args.out])
     write_summary(summarize(units, sessions, fp_all), args.out)
