@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     labels = list(summary["budgets"])
     for i, (name, key) in enumerate(
-        [("dense", "dense"), ("oracle, mean target", "oracle_mean"), ("oracle, max", "oracle_max")]
+        [("dense", "dense"), ("oracle, mean target", "oracle_mean"), ("oracle, max target", "oracle_max")]
     ):
         vals = [summary["budgets"][b][key] or 0.0 for b in labels]
         ax.bar([x + 0.27 * (i - 1) for x in range(len(labels))], vals, width=0.27, label=name)
