@@ -44,6 +44,10 @@ def max_future_attention(q: torch.Tensor, k: torch.Tensor, window: int, scale: f
     return best.view(1, hk, g, S).amax(dim=2)
 
 
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--like", type=Path, required=True, help="a `kvpop eval tasks` folder with dense and oracle rows")
@@ -78,15 +82,13 @@ def main(argv: list[str] | None = None) -> int:
         seq = torch.cat([case.ids, torch.tensor(dense["new_ids"], dtype=torch.long)]).view(1, -1)
         windows = sorted({resolve_eviction(b, sinks=sinks).window for b in left})
         dec, _ = decoder_and_head(model)
-        with torch.no_grad(), capturing(model, window=windows[0], keep_queries=True) as state:
+        # window=None: keep the queries and keys only (no mean target is computed)
+        with torch.no_grad(), capturing(model, window=None, keep_queries=True) as state:
             (dec or model)(input_ids=seq, use_cache=False)
         caps = state.result()
-        scale = model.config.head_dim**-0.5 if getattr(model.config, "head_dim", None) else None
-        targets = {}
-        for w in windows:
-            targets[w] = [
-                max_future_attention(c.queries, c.keys, w, scale or c.queries.shape[-1] ** -0.5) for c in caps
-            ]
+        targets = {
+            w: [max_future_attention(c.queries, c.keys, w, c.queries.shape[-1] ** -0.5) for c in caps] for w in windows
+        }
         del caps, state
         n_new = len(dense["new_ids"])
         for b in left:
@@ -116,14 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         rs = [r for r in rows if r["budget"] == b]
         paired = [r for r in rs if r["oracle_mean_score"] is not None]
 
-        def mean(xs):
-            return sum(xs) / len(xs) if xs else None
-
         summary["budgets"][str(b)] = {
             "n": len(rs),
-            "dense": mean([r["dense_score"] for r in rs]),
-            "oracle_max": mean([r["score"] for r in rs]),
-            "oracle_mean": mean([r["oracle_mean_score"] for r in paired]),
+            "dense": _mean([r["dense_score"] for r in rs]),
+            "oracle_max": _mean([r["score"] for r in rs]),
+            "oracle_mean": _mean([r["oracle_mean_score"] for r in paired]),
             "n_paired": len(paired),
         }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

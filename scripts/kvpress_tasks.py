@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvpop.checkpoint import model_fingerprint
+    from kvpop.evaluate.humaneval import SandboxLimits
     from kvpop.evaluate.store import RecordStore, Session, load_dirs, unit_key
-    from kvpop.evaluate.suite import DENSE, build_cases, eos_ids, summarize, write_summary
+    from kvpop.evaluate.suite import DENSE, build_cases, case_record, eos_ids, summarize, write_summary
 
     fp = json.loads((args.like / "run.json").read_text())
     fp = fp.get("fingerprint", fp)
@@ -187,17 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     store = RecordStore(args.out, fp, "kvpress")
     cases = build_cases(tokenizer, cfg)
     stop = eos_ids(model, tokenizer)
+    limits = SandboxLimits(timeout_s=cfg.timeout_s)
     todo = []
     for task, cs in cases.items():
         for b in sorted(args.budgets or budgets.get(task, ()), reverse=True):
             for name in args.presses:
                 for c in cs:
-                    key = unit_key(c.item_id, f"kvpress-{name}", b)
-                    if store.done(key) is None:
-                        todo.append((c, name, b, key))
+                    if store.done(unit_key(c.item_id, f"kvpress-{name}", b)) is None:
+                        todo.append((c, name, b))
     ran, notes = 0, [f"kvpress presses on the cases of {args.like}"]
     bar = tqdm(todo, desc="kvpress tasks", dynamic_ncols=True)
-    for c, name, b, key in bar:
+    for c, name, b in bar:
         if args.max_minutes and time.perf_counter() - t0 > 60 * args.max_minutes:
             notes.append("stopped at --max-minutes; rerun to continue")
             break
@@ -205,34 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
         new, peak = run_case(model, tokenizer, c, name, b, stop, args.interval)
         text = tokenizer.decode(new, skip_special_tokens=True)
-        rec = {
-            "key": key,
-            "task": c.task,
-            "case": c.index,
-            "item_id": c.item_id,
-            "policy": f"kvpress-{name}",
-            "budget": b,
-            "prompt_sha1": c.sha1,
-            "task_settings": cfg.task_settings(c.task),
-            "prompt_tokens": c.ids.numel(),
-            "new_tokens": int(new.numel()),
-            "seq_len": c.ids.numel() + int(new.numel()),
-            "hit_max_new_tokens": int(new.numel()) >= c.max_new_tokens and int(new[-1]) not in stop,
-            "text": text,
-            "wall_s": time.perf_counter() - t1,
-            "kv_peak": peak,
-            "sinks": None,
-            "window": None,
-            "k": None,
-        }
-        if c.task == "humaneval":
-            from kvpop.evaluate import humaneval
-
-            rec.update(humaneval.score_completion(c.payload, text, humaneval.SandboxLimits(timeout_s=cfg.timeout_s)))
-        else:
-            from kvpop.evaluate import ruler
-
-            rec.update(ruler.score_answer(c.payload, text))
+        rec = case_record(c, f"kvpress-{name}", b, new, text, cfg, stop, limits, wall_s=time.perf_counter() - t1)
+        rec["kv_peak"] = peak
         store.append(rec)
         ran += 1
     bar.close()

@@ -45,6 +45,7 @@ __all__ = [
     "TASKS",
     "SuiteConfig",
     "build_cases",
+    "case_record",
     "generate_batch",
     "main",
     "markdown",
@@ -287,6 +288,51 @@ def generate_batch(model, tokenizer, prompts: list, max_new_tokens: int, cache=N
 # ------------------------------------------------------------------------------ the run
 
 
+def case_record(
+    case: Case,
+    policy: str,
+    budget: int | None,
+    new,
+    text: str,
+    cfg: SuiteConfig,
+    stop: set[int],
+    limits,
+    *,
+    wall_s: float,
+    batch: int = 1,
+) -> dict:
+    """One unit's record: what ran on which case, how long the answer was, and its score (HumanEval's
+    sandboxed run, RULER's string match). ``new``: the generated ids; ``text``: their decoding. Whatever
+    generated them (a kvpop cache, dense, another library's cache) adds its own fields."""
+    from . import humaneval, ruler
+    from .store import unit_key
+
+    rec = {
+        "key": unit_key(case.item_id, policy, budget),
+        "task": case.task,
+        "case": case.index,
+        "item_id": case.item_id,
+        "policy": policy,
+        "budget": budget,
+        "prompt_sha1": case.sha1,
+        "task_settings": cfg.task_settings(case.task),
+        "prompt_tokens": case.ids.numel(),
+        "new_tokens": int(new.numel()),
+        "seq_len": case.ids.numel() + int(new.numel()),
+        "hit_max_new_tokens": int(new.numel()) >= case.max_new_tokens and int(new[-1]) not in stop,
+        "batch": batch,
+        "wall_s": wall_s,
+        "sinks": None,
+        "window": None,
+        "k": None,
+    }
+    if case.task == "humaneval":
+        rec.update(humaneval.score_completion(case.payload, text, limits))
+    else:
+        rec.update(ruler.score_answer(case.payload, text))
+    return rec
+
+
 class _Runner:
     """Runs units and appends their records; what dense and the oracle share stays per case here."""
 
@@ -299,37 +345,13 @@ class _Runner:
         self.ran = 0
 
     def record(self, case: Case, policy: str, budget: int | None, new, wall_s: float, batch: int, cache) -> dict:
-        from . import humaneval, ruler
         from .core import cache_record
-        from .store import unit_key
 
         text = self.tokenizer.decode(new, skip_special_tokens=True)
-        rec = {
-            "key": unit_key(case.item_id, policy, budget),
-            "task": case.task,
-            "case": case.index,
-            "item_id": case.item_id,
-            "policy": policy,
-            "budget": budget,
-            "prompt_sha1": case.sha1,
-            "task_settings": self.cfg.task_settings(case.task),
-            "prompt_tokens": case.ids.numel(),
-            "new_tokens": int(new.numel()),
-            "seq_len": case.ids.numel() + int(new.numel()),
-            "hit_max_new_tokens": int(new.numel()) >= case.max_new_tokens and int(new[-1]) not in self.stop,
-            "batch": batch,
-            "wall_s": wall_s,
-            "sinks": None,
-            "window": None,
-            "k": None,
-        }
+        rec = case_record(case, policy, budget, new, text, self.cfg, self.stop, self.limits, wall_s=wall_s, batch=batch)
         if cache is not None:
             rec.update(cache_record(cache))
             rec["compile_status"] = cache.compile_status  # timings differ between a compiled and an eager decode
-        if case.task == "humaneval":
-            rec.update(humaneval.score_completion(case.payload, text, self.limits))
-        else:
-            rec.update(ruler.score_answer(case.payload, text))
         if policy == DENSE:
             rec["new_ids"] = [int(t) for t in new]  # the oracle's future after a restart
         return rec
