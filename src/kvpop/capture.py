@@ -37,7 +37,7 @@ from transformers.masking_utils import sdpa_mask
 from .attention import attention_implementation, register
 from .config import attention_shape, text_config
 from .observed import observed_attention_windows
-from .targets import fused_available, future_attention, future_attention_windows
+from .targets import check_power, fused_available, future_attention, future_attention_windows
 
 __all__ = ["ATTN_NAME", "CaptureState", "LayerCapture", "capturing", "collect"]
 
@@ -80,6 +80,7 @@ class CaptureState:
     extra_windows: tuple[int, ...] = ()  # more target windows (LayerCapture.targets)
     observed_windows: tuple[int, ...] = ()  # windows whose observed-attention statistics to record
     sinks: int = 4  # for the observed statistics
+    power: float = 1.0  # the target's power mean (kvpop.targets; 1: the mean future attention)
     obs_windows: tuple[int | None, ...] = (None, 32, 1)
     captures: dict[int, LayerCapture] = field(default_factory=dict)
     _warned_sliding: bool = False
@@ -142,12 +143,19 @@ def _target(
     if am is None:
         if window >= S:
             return torch.full((B, Hk, S), -math.inf, dtype=out_dtype, device=key.device)
-        return future_attention(query, key, window, scale=scale, lse=lse, method=state.method).to(out_dtype)
+        return future_attention(query, key, window, scale=scale, lse=lse, method=state.method, power=state.power).to(
+            out_dtype
+        )
     out = torch.full((B, Hk, S), -math.inf, dtype=out_dtype, device=key.device)
     for r, (a, b) in enumerate(_segments(am, S)):
         if b - a > window:
             out[r : r + 1, :, a:b] = future_attention(
-                query[r : r + 1, :, a:b], key[r : r + 1, :, a:b], window, scale=scale, method=state.method
+                query[r : r + 1, :, a:b],
+                key[r : r + 1, :, a:b],
+                window,
+                scale=scale,
+                method=state.method,
+                power=state.power,
             ).to(out_dtype)
     return out
 
@@ -208,7 +216,9 @@ def _capture_attention(
         windows = ([state.window] if state.window is not None else []) + list(state.extra_windows)
         if state.attention_mask is None and len(set(windows)) > 1 and max(windows) < S:
             # every window in about the time of one (kvpop.targets.future_attention_windows)
-            targets = future_attention_windows(q, k, windows, scale=scale, lse=lse, method=state.method)
+            targets = future_attention_windows(
+                q, k, windows, scale=scale, lse=lse, method=state.method, power=state.power
+            )
         else:
             for w in windows:
                 if w not in targets:
@@ -253,13 +263,16 @@ def capturing(
     observed_windows: Iterable[int] = (),
     sinks: int = 4,
     obs_windows: Iterable[int | None] = (None, 32, 1),
+    power: float = 1.0,
 ) -> Iterator[CaptureState]:
     """Context manager: while active, forwards of ``model`` fill the yielded ``CaptureState``.
 
     ``attention_mask`` is the 2-D padding mask of the forward(s) run inside (needed for the
     targets of padded rows).  ``reuse_lse``: in the plain case, take the attention output and the
     row LSE from one flash-kernel call (else the output comes from transformers' SDPA function and
-    the target computes its own LSE).  The model's attention implementation is restored on exit.
+    the target computes its own LSE).  ``power``: the targets' power mean (1: the mean future
+    attention; larger favours tokens a few queries read sharply; :mod:`kvpop.targets`).  The model's
+    attention implementation is restored on exit.
     ``layers`` (default: the full-attention layers, every layer of a model without sliding-window
     layers): which layers to record; the others run their own attention (a sliding layer with its
     sliding mask) and record nothing. A KVpop cache bounds exactly the full-attention layers, so
@@ -289,6 +302,7 @@ def capturing(
         extra_windows=tuple(int(w) for w in extra_windows),
         observed_windows=tuple(int(w) for w in observed_windows),
         sinks=int(sinks),
+        power=check_power(power),
         obs_windows=tuple(obs_windows),
     )
     with attention_implementation(model, ATTN_NAME, _ACTIVE, state):
@@ -314,7 +328,7 @@ def collect(
             without sliding-window layers), returned in increasing order.
         window: if given, also compute the target for this window (``kvpop.targets``).
         options: the keyword options of :func:`capturing` (``method``, ``keep_queries``,
-            ``extra_windows``, ``observed_windows``, ``sinks``, ``obs_windows``).
+            ``extra_windows``, ``observed_windows``, ``sinks``, ``obs_windows``, ``power``).
     """
     if input_ids.ndim != 2:
         raise ValueError("input_ids must be [batch, S]")

@@ -16,6 +16,14 @@ where ``G(h)`` are the query heads served by KV head ``h`` (query head ``g`` bel
 Keys with no future query after the window (``t + w > S - 1``, i.e. the last ``w`` keys) get
 ``-inf`` (the sum is empty).
 
+A ``power`` ``beta >= 1`` replaces the mean by the power mean of the same probabilities,
+
+    m_beta[g, t] = ( (1 / N_t) * sum_{d = t + w}^{S - 1} p[g, d, t] ** beta ) ** (1 / beta),
+
+which is the mean at ``beta = 1`` and tends to the largest single probability as ``beta`` grows: a
+token read sharply by a few queries (a needle read by the question) then outranks one read faintly
+by many. Every method below computes it by the same pass with the logits multiplied by ``beta``.
+
 The fast methods never form an ``S x S`` matrix per head.  They use the transposed-attention
 identity: with the bias ``-LSE[g, d]`` and the mask ``d >= t + w``, the log-sum-exp over ``d``
 of a key-as-query row is ``log(N_t * m[g, t])``.
@@ -45,6 +53,7 @@ from torch import Tensor
 
 __all__ = [
     "METHODS",
+    "check_power",
     "future_attention",
     "future_attention_windows",
     "loss_mask",
@@ -81,6 +90,13 @@ def loss_mask(S: int, window: int, min_future: int | None = None, device=None) -
     min_future = max(1, int(min_future))
     t = torch.arange(S, device=device, dtype=torch.long)
     return (S - (t + window)) >= min_future
+
+
+def check_power(power) -> float:
+    """The power-mean exponent as a float, or one ValueError naming it (finite, at least 1)."""
+    if isinstance(power, bool) or not isinstance(power, (int, float)) or not math.isfinite(power) or power < 1:
+        raise ValueError(f"power must be a finite number >= 1 (1: the mean future attention); got {power!r}")
+    return float(power)
 
 
 def _out_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -131,13 +147,15 @@ def _all_finite(x: Tensor) -> bool:
     return bool(torch.isfinite(x).all())
 
 
-def _finish(lse_t: Tensor, S: int, window: int, kv_heads: int) -> Tensor:
-    """``lse_t`` ``[B, Hq, S]`` = ``log(N_t m[g, t])`` (``-inf`` where undefined) -> target."""
+def _finish(lse_t: Tensor, S: int, window: int, kv_heads: int, power: float = 1.0) -> Tensor:
+    """``lse_t`` ``[B, Hq, S]`` = ``log(N_t m_beta[g, t] ** beta)`` (``-inf`` where undefined) -> target."""
     B, Hq, _ = lse_t.shape
     G = Hq // kv_heads
     best = lse_t.view(B, kv_heads, G, S).amax(dim=2)
     log_n = n_future(S, window, device=lse_t.device).to(best.dtype).log()
     out = best - log_n
+    if power != 1.0:
+        out = out / power
     if window > 0:
         out[..., S - window :] = -math.inf
     return out
@@ -148,7 +166,7 @@ def _finish(lse_t: Tensor, S: int, window: int, kv_heads: int) -> Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _dense(q: Tensor, k: Tensor, window: int, scale: float) -> Tensor:
+def _dense(q: Tensor, k: Tensor, window: int, scale: float, power: float = 1.0) -> Tensor:
     B, Hq, S, _D = q.shape
     Hk = k.shape[1]
     G = Hq // Hk
@@ -159,8 +177,13 @@ def _dense(q: Tensor, k: Tensor, window: int, scale: float) -> Tensor:
     idx = torch.arange(S, device=q.device)
     causal = idx[None, :] <= idx[:, None]  # [d, t]: t <= d
     logits = logits.masked_fill(~causal, -math.inf)
-    p = torch.softmax(logits, dim=-1)
     future = idx[:, None] >= idx[None, :] + window  # d >= t + w
+    if power != 1.0:  # in log space: p ** beta underflows
+        logp = torch.log_softmax(logits, dim=-1) * power
+        lm = torch.logsumexp(logp.masked_fill(~future, -math.inf), dim=-2)  # [B, Hq, S]
+        lm = (lm - n_future(S, window, device=q.device).to(cdt).log()) / power
+        return lm.view(B, Hk, G, S).amax(dim=2)
+    p = torch.softmax(logits, dim=-1)
     m = (p * future).sum(dim=-2)  # [B, Hq, S]
     m = m / n_future(S, window, device=q.device).to(cdt)
     return m.view(B, Hk, G, S).amax(dim=2).log()
@@ -193,12 +216,16 @@ def _row_lse_blocked(q: Tensor, k: Tensor, scale: float, block: int) -> Tensor:
     return out.view(B, Hq, S)
 
 
-def _blocked(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, block: int) -> Tensor:
-    return _finish(_blocked_raw(q, k, window, scale, lse, block), q.shape[2], window, k.shape[1])
+def _blocked(
+    q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, block: int, power: float = 1.0
+) -> Tensor:
+    return _finish(_blocked_raw(q, k, window, scale, lse, block, power), q.shape[2], window, k.shape[1], power)
 
 
-def _blocked_raw(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, block: int) -> Tensor:
-    """``log sum_{d >= t + w} p[g, d, t]`` per query head ``[B, Hq, S]`` (-inf where empty)."""
+def _blocked_raw(
+    q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, block: int, power: float = 1.0
+) -> Tensor:
+    """``log sum_{d >= t + w} p[g, d, t] ** power`` per query head ``[B, Hq, S]`` (-inf where empty)."""
     B, Hq, S, _D = q.shape
     Hk = k.shape[1]
     G = Hq // Hk
@@ -220,6 +247,8 @@ def _blocked_raw(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | 
         qb = qg[:, :, :, dstart:]  # [B, Hk, G, nd, D]
         logits = torch.matmul(kb, qb.transpose(-1, -2)) * scale  # [B, Hk, G, bt, nd]
         logits -= lseg[:, :, :, None, dstart:]
+        if power != 1.0:
+            logits *= power
         t_idx = torch.arange(t0, t1, device=q.device)[:, None]
         d_idx = torch.arange(dstart, S, device=q.device)[None, :]
         logits.masked_fill_(d_idx < t_idx + window, -math.inf)
@@ -275,12 +304,13 @@ def row_lse(q: Tensor, k: Tensor, *, scale: float | None = None, block: int = 10
     return _row_lse_blocked(q.to(cdt), k.to(cdt), scale, block)
 
 
-def _fused(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None) -> Tensor:
-    return _finish(_fused_raw(q, k, window, scale, lse), q.shape[2], window, k.shape[1])
+def _fused(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, power: float = 1.0) -> Tensor:
+    return _finish(_fused_raw(q, k, window, scale, lse, power), q.shape[2], window, k.shape[1], power)
 
 
-def _fused_raw(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None) -> Tensor:
-    """:func:`_blocked_raw` by the CPU flash kernel on the reversed sequence (see the module doc)."""
+def _fused_raw(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, power: float = 1.0) -> Tensor:
+    """:func:`_blocked_raw` by the CPU flash kernel on the reversed sequence (see the module doc); the
+    kernel's scale ``scale * power`` multiplies logit and bias alike, so ``power`` costs nothing."""
     B, Hq, S, D = q.shape
     Hk = k.shape[1]
     dt = q.dtype
@@ -316,7 +346,7 @@ def _fused_raw(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | No
     qpv = qp.reshape(B * Hk, 1, L, width).expand(B * Hk, G, L, width)
     kpv = kp.reshape(B * Hk, G, L, width)
     v = torch.zeros(B * Hk, 1, L, width, dtype=dt, device=q.device).expand(B * Hk, G, L, width)
-    _, lse_t = _flash_cpu()(qpv, kpv, v, 0.0, True, scale=scale)
+    _, lse_t = _flash_cpu()(qpv, kpv, v, 0.0, True, scale=scale * power)
     lse_t = lse_t.reshape(B, Hq, L).to(_out_dtype(dt)).flip(-1)  # back to t = 0 .. S-1-w
     full = torch.full((B, Hq, S), -math.inf, dtype=lse_t.dtype, device=q.device)
     full[..., :L] = lse_t
@@ -370,7 +400,9 @@ def _flex_call(fn, aux, q, k, v, score_mod, block_mask, scale, enable_gqa):
     return lse
 
 
-def _flex(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, *, compile: bool = True) -> Tensor:
+def _flex(
+    q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, *, compile: bool = True, power: float = 1.0
+) -> Tensor:
     """FlexAttention implementation.  ``compile=False`` runs flex's eager reference (which
     materialises scores; only for testing the logic on CPU at small sizes)."""
     _B, Hq, S, _D = q.shape
@@ -395,7 +427,7 @@ def _flex(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, *
     vq = torch.zeros_like(q)
 
     def score_mod(score, b, h, t_idx, d_idx):
-        return score - lse[b, h, d_idx]
+        return (score - lse[b, h, d_idx]) * power
 
     def future(b, h, t_idx, d_idx):
         return d_idx >= t_idx + window
@@ -405,7 +437,7 @@ def _flex(q: Tensor, k: Tensor, window: int, scale: float, lse: Tensor | None, *
     lse_t = lse_t.to(_out_dtype(q.dtype))
     if window > 0:  # rows without any allowed column: whatever flex returns, make it -inf
         lse_t[..., S - window :] = -math.inf
-    return _finish(lse_t, S, window, Hk)
+    return _finish(lse_t, S, window, Hk, power)
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,6 +470,7 @@ def future_attention(
     lse: Tensor | None = None,
     method: str = "auto",
     block: int = 1024,
+    power: float = 1.0,
 ) -> Tensor:
     """Per-KV-head log future attention ``[batch, kv_heads, S]`` (spec section 3).
 
@@ -451,9 +484,11 @@ def future_attention(
             pass; computed here otherwise.
         method: ``"auto"``, ``"dense"``, ``"blocked"``, ``"fused"`` or ``"flex"`` (see module doc).
         block: block size of the ``"blocked"`` method (memory ``O(batch * q_heads * S * block)``).
+        power: ``beta >= 1`` of the power mean ``m_beta`` (module doc); 1 is the mean.
 
     Returns:
-        ``log(max_g m[g, t])`` with ``N_t = max(1, S - (t + window))``; ``-inf`` for the last
+        ``log(max_g m[g, t])`` (``m_beta`` for ``power != 1``) with ``N_t = max(1, S - (t + window))``;
+        ``-inf`` for the last
         ``window`` keys (``t > S - 1 - window``: no query after the window).  dtype: the input
         dtype, float32 for half-precision inputs.
 
@@ -468,6 +503,7 @@ def future_attention(
         raise ValueError(f"scale must be a positive finite float; got {scale}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int; got {block!r}")
+    power = check_power(power)
     m = resolve_method(method, q.dtype, q.device)
     if m == "flex" and q.device.type != "cuda":
         raise ValueError("method='flex' needs CUDA tensors")
@@ -476,12 +512,12 @@ def future_attention(
 
     with torch.no_grad():
         if m == "dense":
-            return _dense(q, k, window, scale)
+            return _dense(q, k, window, scale, power)
         if m == "blocked":
-            return _blocked(q, k, window, scale, lse, block)
+            return _blocked(q, k, window, scale, lse, block, power)
         if m == "fused":
-            return _fused(q, k, window, scale, lse)
-        return _flex(q, k, window, scale, lse, compile=True)
+            return _fused(q, k, window, scale, lse, power)
+        return _flex(q, k, window, scale, lse, compile=True, power=power)
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,8 +525,10 @@ def future_attention(
 # --------------------------------------------------------------------------------------------
 
 
-def _band_suffix_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, windows: list[int], block: int) -> Tensor:
-    """``log sum_{d : w_i <= d - t < w_max} p[g, d, t]`` for each window ``w_i`` but the largest:
+def _band_suffix_lse(
+    q: Tensor, k: Tensor, lse: Tensor, scale: float, windows: list[int], block: int, power: float = 1.0
+) -> Tensor:
+    """``log sum_{d : w_i <= d - t < w_max} p[g, d, t] ** power`` for each window ``w_i`` but the largest:
     ``[n - 1, B, Hq, S]`` (-inf where empty).
 
     One pass over the band ``w_min <= d - t < w_max``, key block by key block: the band's
@@ -514,14 +552,20 @@ def _band_suffix_lse(q: Tensor, k: Tensor, lse: Tensor, scale: float, windows: l
         nd = d1 - d0
         x = torch.matmul(kc[:, :, None, t0:t1], qg[:, :, :, d0:d1].transpose(-1, -2)) * scale  # [B, Hk, G, bt, nd]
         x -= lseg[:, :, :, None, d0:d1]
+        if power != 1.0:
+            x *= power
         age = torch.arange(d0, d1, device=q.device)[None, :] - torch.arange(t0, t1, device=q.device)[:, None]
         x.masked_fill_((age < w_min) | (age >= w_max), -math.inf)
-        top = x.amax(-1, keepdim=True)
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        suffix = torch.exp(x - top).flip(-1).cumsum(-1).flip(-1)  # sum over d' >= d of the band
         col = torch.arange(t1 - t0, device=q.device)[:, None] + offs[None, :]  # [bt, n-1]: d = t + w_i
-        got = suffix.gather(-1, col.clamp(max=nd - 1).expand(B, Hk, G, t1 - t0, len(offs)))
-        got = torch.where(col < nd, got, torch.zeros_like(got)).log() + top
+        idx = col.clamp(max=nd - 1).expand(B, Hk, G, t1 - t0, len(offs))
+        if power == 1.0:
+            top = x.amax(-1, keepdim=True)
+            top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+            suffix = torch.exp(x - top).flip(-1).cumsum(-1).flip(-1)  # sum over d' >= d of the band
+            got = torch.where(col < nd, suffix.gather(-1, idx), torch.zeros_like(top)).log() + top
+        else:  # a power spreads the logits so far that one shift underflows: sum in log space
+            suffix = torch.logcumsumexp(x.flip(-1), -1).flip(-1)
+            got = suffix.gather(-1, idx).masked_fill(col >= nd, -math.inf)
         out[..., t0:t1] = got.permute(4, 0, 1, 2, 3)
     return out.view(len(windows) - 1, B, Hq, S)
 
@@ -535,6 +579,7 @@ def future_attention_windows(
     lse: Tensor | None = None,
     method: str = "auto",
     block: int = 128,
+    power: float = 1.0,
 ) -> dict[int, Tensor]:
     """:func:`future_attention` for several windows, ``{window: [batch, kv_heads, S]}``, in about the
     time of one: the transposed pass of the largest window covers ``d - t >= w_max`` for all of them,
@@ -550,18 +595,22 @@ def future_attention_windows(
         _validate(q, k, w, lse, method)
     D = q.shape[-1]
     scale = D**-0.5 if scale is None else float(scale)
+    power = check_power(power)
     m = resolve_method(method, q.dtype, q.device)
     if len(ws) == 1 or m in ("dense", "flex"):
-        return {w: future_attention(q, k, w, scale=scale, lse=lse, method=method) for w in ws}
+        return {w: future_attention(q, k, w, scale=scale, lse=lse, method=method, power=power) for w in ws}
     if m == "fused" and not fused_available(q.dtype, q.device):
         raise ValueError(f"method='fused' needs CPU tensors of dtype in {_FUSED_DTYPES}; got {q.dtype} on {q.device}")
     with torch.no_grad():
         if lse is None:
             lse = row_lse(q, k, scale=scale)
-        far = _fused_raw(q, k, ws[-1], scale, lse) if m == "fused" else _blocked_raw(q, k, ws[-1], scale, lse, 1024)
-        band = _band_suffix_lse(q, k, lse, scale, ws, block)
+        if m == "fused":
+            far = _fused_raw(q, k, ws[-1], scale, lse, power)
+        else:
+            far = _blocked_raw(q, k, ws[-1], scale, lse, 1024, power)
+        band = _band_suffix_lse(q, k, lse, scale, ws, block, power)
         S, Hk = q.shape[2], k.shape[1]
-        out = {ws[-1]: _finish(far, S, ws[-1], Hk)}
+        out = {ws[-1]: _finish(far, S, ws[-1], Hk, power)}
         for i, w in enumerate(ws[:-1]):
-            out[w] = _finish(torch.logaddexp(far.to(band.dtype), band[i]), S, w, Hk)
+            out[w] = _finish(torch.logaddexp(far.to(band.dtype), band[i]), S, w, Hk, power)
     return out

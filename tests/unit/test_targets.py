@@ -8,6 +8,7 @@ from kvpop.targets import (
     _flex,
     fused_available,
     future_attention,
+    future_attention_windows,
     loss_mask,
     n_future,
     resolve_method,
@@ -22,7 +23,7 @@ def _qk(B, kv, G, S, D=16, dtype=torch.float32, seed=0, amp=2.0):
     return q, k
 
 
-def _naive(q, k, window, scale=None):
+def _naive(q, k, window, scale=None, power=1.0):
     """Loop-level definition of the spec, float64, independent of the dense implementation."""
     q = q.double()
     k = k.double()
@@ -42,8 +43,8 @@ def _naive(q, k, window, scale=None):
                 if t + window > S - 1:
                     continue
                 n = max(1, S - (t + window))
-                m = p[t + window :, t].sum() / n
-                out[b, h, t] = max(out[b, h, t], math.log(m))
+                m = (p[t + window :, t] ** power).sum() / n
+                out[b, h, t] = max(out[b, h, t], math.log(m) / power)
     return out
 
 
@@ -305,3 +306,44 @@ def test_several_windows_at_once_equal_one_window_at_a_time(windows, S, G, block
     for w in windows:
         assert got[w].dtype == dtype and got[w].shape == (2, 2, S)
         _check(got[w], future_attention(q, k, w, method="dense"), atol=atol)
+
+
+@pytest.mark.parametrize("power", [2.0, 8.0])
+def test_power_mean_target_matches_its_definition_on_every_path(power):
+    """``power`` replaces the mean by the power mean of the same probabilities: the loop-level definition,
+    the dense reference, the blocked and fused passes and the several-windows pass agree."""
+    q, k = _qk(2, 2, 3, 40, amp=1.0)
+    for window in (0, 5):
+        ref = _naive(q, k, window, power=power)
+        for method in ("dense", "blocked", "fused"):
+            _check(future_attention(q, k, window, method=method, power=power).double(), ref, atol=2e-5)
+    got = future_attention_windows(q, k, [3, 5, 9], power=power, block=8)
+    for w, t in got.items():
+        _check(t.double(), _naive(q, k, w, power=power), atol=2e-5)
+    assert not torch.allclose(got[5], future_attention(q, k, 5)), "the power changes the target"
+
+
+def test_power_mean_tends_to_the_largest_future_probability():
+    """A large power gives the maximum future attention (the oracle that keeps needles) within
+    ``log(N_t) / power``, with the fused pass at full sequence length (no underflow)."""
+    q, k = _qk(1, 2, 2, 300, amp=2.0)
+    window, power = 16, 64.0
+    got = future_attention_windows(q, k, [8, window, 40], power=power)[window].double()
+    qd, kd = q.double(), k.double().repeat_interleave(2, dim=1)
+    S = q.shape[2]
+    logits = (qd @ kd.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    idx = torch.arange(S)
+    logp = torch.log_softmax(logits.masked_fill(idx[None, :] > idx[:, None], -math.inf), dim=-1)
+    future = idx[:, None] >= idx[None, :] + window
+    best = logp.masked_fill(~future, -math.inf).amax(dim=-2).view(1, 2, 2, S).amax(dim=2)
+    fin = torch.isfinite(best)
+    assert torch.equal(torch.isfinite(got), fin)
+    gap = best[fin] - got[fin]
+    assert float(gap.min()) >= -1e-5 and float(gap.max()) <= math.log(S) / power + 1e-5
+
+
+def test_power_is_checked():
+    q, k = _qk(1, 1, 1, 8)
+    for bad in (0.5, float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="power must be"):
+            future_attention(q, k, 1, power=bad)

@@ -111,6 +111,20 @@ def test_capture_store_is_reused_and_guarded(tmp_path, docs):
         train(_cfg(tmp_path / "d", docs, scorer="mlp", val_docs=0, steps=2, window=5, store=str(store)), model, tok)
     with pytest.raises(ValueError, match="other settings"):
         train(_cfg(tmp_path / "e", docs, scorer="mlp", val_docs=0, steps=2, sinks=3, store=str(store)), model, tok)
+    # the store holds mean targets: a run learning the power mean is refused, and captures its own store
+    with pytest.raises(ValueError, match="other settings.*target_power"):
+        train(
+            _cfg(tmp_path / "p", docs, scorer="mlp", val_docs=0, steps=2, target_power=8.0, store=str(store)),
+            model,
+            tok,
+        )
+    p8 = train(
+        _cfg(tmp_path / "p8", docs, scorer="mlp", val_docs=0, steps=4, target_power=8.0, store=str(tmp_path / "s8")),
+        model,
+        tok,
+    )
+    assert [h["loss"] for h in p8["history"]] != pytest.approx([h["loss"] for h in a["history"]], rel=1e-3)
+    assert json.loads((tmp_path / "s8" / "store.json").read_text())["target_power"] == 8.0
     # a store from before the bfloat16 weight hash still serves the model; another model's weights do not
     meta = json.loads((store / "store.json").read_text())
     del meta["fingerprint"]["weights_bf16_sha256"]

@@ -89,6 +89,14 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
         "in every KV head of its layer (default: its own head's only)",
     )
     p.add_argument("--extra-windows", type=ints, default=(), help="also capture targets for these windows (store)")
+    p.add_argument(
+        "--target-power",
+        type=float,
+        default=d.target_power,
+        help="power mean of a token's future attention that the scorer learns to rank by: 1 (default) is the "
+        "mean; larger (e.g. 8) ranks tokens a few later queries read sharply, like a needle, above ones many "
+        "read faintly",
+    )
     p.add_argument("--loss", choices=["boundary", "mse"], default=d.loss)
     p.add_argument("--store", default=None, help="capture store folder: captures are kept there and reused")
     p.add_argument("--capture-only", action="store_true", help="fill --store for --steps x --batch-size sequences")

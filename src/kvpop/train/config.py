@@ -30,6 +30,7 @@ RESUME_KEYS = (
     "window_fraction",
     "sinks",
     "lam",
+    "target_power",
     "loss",
     "weighting",
     "lr",
@@ -109,6 +110,10 @@ class TrainConfig(RunSettings):
     # the tilt scales with the budget, lam = lam_scale / B at each step's B, never below lam (the same
     # priority difference then spans the same share of the k slots at every budget; caches resolve it so)
     lam_scale: float | None = None
+    # the target's power mean over the future queries (kvpop.targets): 1 is the mean attention a token
+    # receives; larger ranks a token a few queries read sharply (a needle the question reads) above one
+    # many read faintly
+    target_power: float = 1.0
     loss: str = "boundary"  # "boundary" | "mse"
     weighting: str = "mass"  # boundary decisions weighted "uniform" or by the attention "mass" at stake
     tau: float = 1.0
@@ -295,6 +300,9 @@ class TrainConfig(RunSettings):
             raise ValueError(f"docs_from {self.docs_from} does not exist")
         if not math.isfinite(self.lam) or self.lam < 0:
             raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
+        tp = self.target_power
+        if isinstance(tp, bool) or not isinstance(tp, (int, float)) or not math.isfinite(tp) or tp < 1:
+            raise ValueError(f"target_power must be a finite number >= 1 (1: the mean), got {tp!r}")
         if self.capture_only and not self.store:
             raise ValueError("capture_only needs a store folder (--store DIR) to fill")
         if not self.docs_from:

@@ -79,8 +79,11 @@ class Example:
 
 
 @torch.no_grad()
-def capture_example(model, ids: Tensor, windows, sinks: int, obs_windows, corpora: list[str]) -> Example:
-    """One no-grad forward of ``ids [b, S]`` recording what training needs (``kvpop.capture.collect``)."""
+def capture_example(
+    model, ids: Tensor, windows, sinks: int, obs_windows, corpora: list[str], power: float = 1.0
+) -> Example:
+    """One no-grad forward of ``ids [b, S]`` recording what training needs (``kvpop.capture.collect``);
+    ``power`` is the targets' power mean (1: the mean future attention)."""
     windows = sorted({int(w) for w in windows})
     caps = collect(
         model,
@@ -90,6 +93,7 @@ def capture_example(model, ids: Tensor, windows, sinks: int, obs_windows, corpor
         observed_windows=windows if obs_windows else (),
         sinks=sinks,
         obs_windows=tuple(obs_windows) or (None,),
+        power=power,
     )
     return Example(
         keys=torch.stack([c.keys for c in caps]),
@@ -165,6 +169,7 @@ class CaptureStore:
                 "seq_len": cfg.seq_len,
             },
             "sinks": cfg.sinks,
+            "target_power": cfg.target_power,
             "obs_windows": list(cfg.observed),
             "windows": list(cfg.capture_windows()),
             "windows_per_sequence": cfg.windows_per_sequence,
@@ -173,7 +178,10 @@ class CaptureStore:
         if path.exists():
             have = json.loads(path.read_text())
             have.setdefault("windows_per_sequence", 0)
-            keys = ["format", "fingerprint", "data", "sinks"] + (["obs_windows"] if cfg.observed else [])
+            have.setdefault("target_power", 1.0)  # stores made before the power mean hold the mean
+            keys = ["format", "fingerprint", "data", "sinks", "target_power"] + (
+                ["obs_windows"] if cfg.observed else []
+            )
             if have["windows_per_sequence"] and have["windows"] != self.meta["windows"]:
                 raise ValueError(
                     f"capture store {self.folder} holds {have['windows_per_sequence']} windows per "
@@ -282,7 +290,13 @@ def example_for(j: int, source: SequenceSource, store: CaptureStore | None, mode
     corpus, ids = source.get(j)
     obs = store.obs_windows if store is not None else cfg.observed  # a store stays uniform
     ex = capture_example(
-        model, ids.view(1, -1), store.sequence_windows(j) if store else windows, cfg.sinks, obs, [corpus]
+        model,
+        ids.view(1, -1),
+        store.sequence_windows(j) if store else windows,
+        cfg.sinks,
+        obs,
+        [corpus],
+        cfg.target_power,
     )
     if store is None:
         return ex.only(windows, observed=bool(cfg.observed))

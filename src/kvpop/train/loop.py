@@ -105,7 +105,7 @@ class ScorerTraining:
             self.probe = RetentionProbe(model, tokenizer, cfg, cache_dir=cfg.val_cache)
             vsrc = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED, seq_len=cfg.val_seq_len)
             self.val_examples = [
-                capture_example(model, ids.view(1, -1), cfg.windows(), cfg.sinks, cfg.observed, [c])
+                capture_example(model, ids.view(1, -1), cfg.windows(), cfg.sinks, cfg.observed, [c], cfg.target_power)
                 for c, ids in (vsrc.get(j) for j in range(min(2, cfg.val_docs)))
             ]
         self.validates = self.probe is not None
@@ -260,8 +260,9 @@ def _capture_only(cfg, model, source, store, rank, world, per_rank) -> dict:
     t0 = time.perf_counter()
     for j in todo:
         corpus, ids = source.get(j)
+        windows = store.sequence_windows(j)
         store.save(
-            j, capture_example(model, ids.view(1, -1), store.sequence_windows(j), cfg.sinks, cfg.observed, [corpus])
+            j, capture_example(model, ids.view(1, -1), windows, cfg.sinks, cfg.observed, [corpus], cfg.target_power)
         )
         bar.update(1)
     bar.close()
