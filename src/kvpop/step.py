@@ -247,19 +247,26 @@ def _chunk(spec: StepSpec, st: LayerState, valid: Tensor, h: int, padded: bool) 
     return _Chunk(valid, new_idx, new_slot, ex_idx, ex_ring, key_idx, padded)
 
 
-def _chunk_observed(spec: StepSpec, st: LayerState, ch: _Chunk, logits: Tensor):
+def _chunk_observed(spec: StepSpec, st: LayerState, ch: _Chunk, q: Tensor, all_k: Tensor):
     """The window statistics as the chunk's queries add to them: ``(ring, new)``, the accumulated
     statistics of every ring slot before the chunk overwrites it ``[b, h, w, n_obs]`` and the new
-    tokens' own ``[b, h, c, n_obs]``. ``logits [b, h, g, c, B + c]`` (float32)."""
+    tokens' own ``[b, h, c, n_obs]``. ``q [b, hq, c, d]``, ``all_k [b, h, B + c, d]``.
+
+    A query's statistic is normalised over its local keys (sinks and window), which lie among the
+    sinks, the ring and the chunk: the logits are formed over those ``s + w + c`` columns only, never
+    over the long-range slots."""
     s, w, n = spec.sinks, spec.window, spec.budget
-    b, h, _, c, nk = logits.shape
-    kidx = ch.key_idx.view(b, h, 1, 1, nk)
+    b, hq, c, d = q.shape
+    h = all_k.shape[1]
+    k_loc = torch.cat([all_k[:, :, : s + w], all_k[:, :, n:]], dim=2)  # [b, h, s + w + c, d]
+    logits = torch.einsum("bhqd,bhkd->bhqk", q.reshape(b, h, hq // h * c, d).float(), k_loc.float())
+    logits = logits.view(b, h, hq // h, c, -1) * spec.scaling
+    kidx = torch.cat([ch.key_idx[..., : s + w], ch.key_idx[..., n:]], dim=-1).view(b, h, 1, 1, -1)
     tq = ch.new_idx.view(b, 1, 1, c, 1)
     local = (kidx >= 0) & (kidx <= tq) & ((kidx < s) | (kidx > tq - w))
-    p_mean = torch.softmax(logits.masked_fill(~local, -math.inf), dim=-1).mean(dim=2)  # [b, h, c, B + c]
     # only the ring's and the chunk's keys gather statistics (sinks never leave; long-range keys are
     # never local): every later step works per key, so it runs on those columns alone
-    p_mean = torch.cat([p_mean[..., s : s + w], p_mean[..., n:]], dim=-1)  # [b, h, c, w + c]
+    p_mean = torch.softmax(logits.masked_fill_(~local, -math.inf), dim=-1).mean(dim=2)[..., s:]  # [b, h, c, w + c]
     if ch.padded:  # a padding query sees no local key: its row is NaN
         p_mean = p_mean.nan_to_num(0.0)
     key_idx = torch.cat([ch.key_idx[..., s : s + w], ch.key_idx[..., n:]], dim=-1)
@@ -331,17 +338,12 @@ def _chunk_visible(spec: StepSpec, ch: _Chunk, lr_leave: Tensor, ex_leave: Tenso
     return torch.where(pad_q, self_key, visible)
 
 
-def _chunk_attend(
-    q: Tensor, all_k: Tensor, all_v: Tensor, visible: Tensor, logits: Tensor | None, scaling: float
-) -> Tensor:
-    """Each query over the slots and the chunk, as ``visible`` allows: ``[b, hq, c, d]``."""
+def _chunk_attend(q: Tensor, all_k: Tensor, all_v: Tensor, visible: Tensor, scaling: float) -> Tensor:
+    """Each query over the slots and the chunk, as ``visible`` allows: ``[b, hq, c, d]`` (one fused
+    attention call; the statistics formed their own logits over the local keys only)."""
     b, hq, c, d = q.shape
     h, nk = all_k.shape[1], all_k.shape[2]
     g = hq // h
-    if logits is not None:  # computed for the statistics already (and no longer needed): reuse them in place
-        probs = torch.softmax(logits.masked_fill_(~visible.unsqueeze(2), -math.inf), dim=-1)
-        out = torch.einsum("bhgqk,bhkd->bhgqd", probs.to(all_v.dtype), all_v)
-        return out.reshape(b, h * g, c, -1)
     mask = visible.unsqueeze(2).expand(b, h, g, c, nk).reshape(b, h, g * c, nk)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.reshape(b, h, g * c, d), all_k, all_v, attn_mask=mask, scale=scaling
@@ -420,19 +422,13 @@ def prefill_chunk(
     ch = _chunk(spec, st, valid, h, padded)
     all_k = torch.cat([st.keys, k_new], dim=2)  # [b, h, B + c, d]
     all_v = torch.cat([st.values, v_new], dim=2)
-    logits, obs = None, None
-    if kernels.needs_attention:
-        b, hq, c, d = q.shape
-        qv = q.reshape(b, h, hq // h * c, d)  # query heads of one KV group side by side
-        logits = torch.einsum("bhqd,bhkd->bhqk", qv.float(), all_k.float()) * spec.scaling
-        logits = logits.view(b, h, hq // h, c, -1)
-        obs = _chunk_observed(spec, st, ch, logits)
+    obs = _chunk_observed(spec, st, ch, q, all_k) if kernels.needs_attention else None
     ex_prio = _chunk_scores(spec, kernels, layer_idx, st, ch, k_new, v_new, None if obs is None else obs[0])
     ex_idx_h = ch.ex_idx.unsqueeze(1).expand_as(ex_prio)
     lr_leave, ex_leave = rule.decide_chunk(
         st.long_range_prio, st.held[:, :, spec.sinks + spec.window :], ex_prio, ex_idx_h, spec.window
     )
     visible = _chunk_visible(spec, ch, lr_leave, ex_leave)
-    out = _chunk_attend(q, all_k, all_v, visible, logits, spec.scaling)
+    out = _chunk_attend(q, all_k, all_v, visible, spec.scaling)
     _chunk_commit(spec, st, ch, k_new, v_new, ex_prio, lr_leave, ex_leave, obs)
     return out
