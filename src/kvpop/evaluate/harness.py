@@ -34,7 +34,14 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..checkpoint import DEFAULT_SCORERS, WEIGHTS_SAMPLED_KEY, model_fingerprint, read_header
+from ..checkpoint import (
+    DEFAULT_SCORERS,
+    WEIGHTS_SAMPLED_KEY,
+    ScorerMismatchError,
+    default_scorer_path,
+    model_fingerprint,
+    read_header,
+)
 from ..config import EvictionConfig, TrainedSettings, resolve_eviction
 from ..data import SPLITS, list_corpora, load_documents, long_documents, read_user_documents
 from ..policies import ALIAS, KIND_TO_POLICY, default_policy
@@ -191,7 +198,9 @@ def scorer_corpora(model, policy: str, kwargs: dict) -> tuple[tuple[str, ...] | 
     if path is None and bundle is not None and bundle.scorer is not None and bundle.scorer.config.kind == kind:
         corpora = (bundle.meta.get("meta") or {}).get("corpora")
         return (None if corpora is None else tuple(corpora)), f"{bundle.path} (adapter bundle)"
-    path = path or DEFAULT_SCORERS[kind]
+    path = path or shipped_scorer_file(model, kind)
+    if path is None:
+        return None, f"no shipped {kind} scorer fits this model"
     corpora = read_header(path).get("meta", {}).get("corpora")
     return (None if corpora is None else tuple(corpora)), str(path)
 
@@ -379,9 +388,18 @@ def _adapter_fingerprint(model) -> dict | None:
     return {"path": str(folder), FILE_HASH_KEY: h.hexdigest()[:16]}
 
 
+def shipped_scorer_file(model, kind: str) -> Path | None:
+    """The shipped ``kind`` scorer a learned policy on ``model`` reads when given no file (the one trained
+    for that model, as :class:`~kvpop.policies.LearnedPolicy` picks it), or None if none fits."""
+    try:
+        return default_scorer_path(kind, getattr(model, "config", None))
+    except (ScorerMismatchError, FileNotFoundError):
+        return None
+
+
 def content_kwargs(model, policy_kwargs: dict | None) -> dict:
     """``policy_kwargs`` as strings, with the sha256 of the scorer file each learned policy reads (``path=``
-    or the shipped one; every learned policy's, so the fingerprint does not depend on which policies a run
+    or the one shipped for this model; every learned policy's, so the fingerprint does not depend on which policies a run
     selects), and under the alias ``kvpop`` the entry of the policy it names on ``model``: a folder made
     when ``kvpop`` named another scorer (before it was the model's default learned policy, it was the
     mLSTM) is refused, not read as today's ``kvpop``. The fingerprints of ``kvpop eval`` and ``kvpop eval
@@ -392,7 +410,8 @@ def content_kwargs(model, policy_kwargs: dict | None) -> dict:
         kw = given.get(policy) or {}
         if kw.get("scorer") is not None:  # a scorer in memory: no file
             continue
-        digest = file_sha256(kw.get("path") or DEFAULT_SCORERS[kind])
+        path = kw.get("path") or shipped_scorer_file(model, kind)
+        digest = None if path is None else file_sha256(path)
         if digest is not None:
             kwargs[policy] = {**kwargs.get(policy, {}), FILE_HASH_KEY: digest}
     default = default_policy(model)

@@ -1,0 +1,79 @@
+"""Prefill throughput of the current chunk step against the one at an earlier revision, in one process.
+
+Both versions of ``kvpop/step.py`` run on the same model, prompt and thread count, alternating round by
+round so that machine noise hits both alike; dense is timed beside them, and every policy gets one
+untimed warm-up prefill first. Only the chunk step is swapped (``kvpop.cache.prefill_chunk``), so the
+difference is that change alone.
+
+    python research/prefill_ab.py --old-rev e1548a0 --out results/prefill_ab
+
+Writes OUT.json (seconds per round, medians, ratios to dense) and prints one line per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--old-rev", required=True, help="git revision whose src/kvpop/step.py is the baseline")
+    p.add_argument("--policies", default="h2o@512,kvpop-mlp@512,kvpop-mlstm@512")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", default=None)
+    p.add_argument("--out", default="results/prefill_ab")
+    args = p.parse_args(argv)
+
+    import kvpop.cache as cache_mod
+    from kvpop.bench.common import cache_for_spec, text_ids
+    from kvpop.compat import cache_kwargs
+    from kvpop.models import load_model_quietly
+
+    src = subprocess.run(
+        ["git", "show", f"{args.old_rev}:src/kvpop/step.py"], check=True, capture_output=True, text=True
+    ).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("kvpop.step_baseline", f.name)
+    old = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = old
+    spec.loader.exec_module(old)
+    steps = {"now": cache_mod.prefill_chunk, args.old_rev: old.prefill_chunk}
+
+    model, tok = load_model_quietly(args.model)
+    ids = text_ids(tok, args.length)
+    rows = [("dense", "now")] + [(pol, v) for pol in args.policies.split(",") for v in steps]
+    times: dict[str, list[float]] = {f"{pol} [{v}]": [] for pol, v in rows}
+    with torch.no_grad():
+        for r in range(args.repeats + 1):
+            for pol, v in rows:
+                cache_mod.prefill_chunk = steps[v]
+                cache = cache_for_spec(model, pol)
+                t0 = time.perf_counter()
+                model(ids if r else ids[:, :1024], **cache_kwargs(cache))
+                if r:
+                    times[f"{pol} [{v}]"].append(time.perf_counter() - t0)
+    cache_mod.prefill_chunk = steps["now"]
+    dense = statistics.median(times["dense [now]"])
+    out = {"length": args.length, "threads": torch.get_num_threads(), "old_rev": args.old_rev, "rows": []}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        out["rows"].append({"row": name, "seconds": ts, "median_s": med, "throughput_vs_dense": dense / med})
+        print(f"{name:>32}: {args.length / med:6.0f} tok/s  {dense / med:.2f}x dense")
+    Path(args.out).with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
