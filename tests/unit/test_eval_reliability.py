@@ -322,28 +322,14 @@ def test_the_fingerprint_hashes_the_scorer_shipped_for_the_model_it_evaluates():
     fingerprint must hash that file, not the default model's, or replacing it would go unnoticed."""
     from types import SimpleNamespace
 
-    from transformers import Qwen2Config
-
     from kvpop.checkpoint import ASSETS, DEFAULT_SCORERS
     from kvpop.evaluate.harness import content_kwargs, file_sha256, shipped_scorer_file
+    from kvpop.testing import qwen_coder_config, tiny_model
 
-    qwen = SimpleNamespace(
-        config=Qwen2Config(
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            hidden_size=896,
-            intermediate_size=4864,
-            vocab_size=151936,
-            rope_theta=1000000.0,
-            max_position_embeddings=32768,
-        )
-    )
+    qwen = SimpleNamespace(config=qwen_coder_config())
     for kind, policy in (("mlp", "kvpop-mlp"), ("mlstm", "kvpop-mlstm")):
         path = ASSETS / f"qwen2.5-coder-0.5b-{kind}.safetensors"
         assert shipped_scorer_file(qwen, kind) == path
         assert content_kwargs(qwen, None)[policy]["sha256"] == file_sha256(path) != file_sha256(DEFAULT_SCORERS[kind])
     # a model no shipped scorer fits records no hash (its learned policies need --scorer)
-    from kvpop.testing import tiny_model
-
     assert "kvpop-mlp" not in content_kwargs(tiny_model("qwen2"), None)

@@ -5,10 +5,9 @@ import importlib.util
 import json
 from pathlib import Path
 
-from transformers import Qwen2Config
-
 from kvpop.checkpoint import ASSETS, DEFAULT_SCORERS
 from kvpop.evaluate.harness import file_sha256
+from kvpop.testing import qwen_coder_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "rehash_scorers.py"
 
@@ -22,15 +21,7 @@ def _module():
 
 def test_a_qwen_folder_gets_qwen_scorer_hashes(tmp_path):
     model = tmp_path / "qwen"
-    Qwen2Config(
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        hidden_size=896,
-        intermediate_size=4864,
-        vocab_size=151936,
-        rope_theta=1000000.0,
-    ).save_pretrained(model)
+    qwen_coder_config().save_pretrained(model)
     old_mlp, old_mlstm = (file_sha256(DEFAULT_SCORERS[k]) for k in ("mlp", "mlstm"))
     kw = {
         "kvpop": {"sha256": old_mlp},

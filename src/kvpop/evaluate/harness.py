@@ -399,8 +399,8 @@ def shipped_scorer_file(model, kind: str) -> Path | None:
 
 def content_kwargs(model, policy_kwargs: dict | None) -> dict:
     """``policy_kwargs`` as strings, with the sha256 of the scorer file each learned policy reads (``path=``
-    or the one shipped for this model; every learned policy's, so the fingerprint does not depend on which policies a run
-    selects), and under the alias ``kvpop`` the entry of the policy it names on ``model``: a folder made
+    or the one shipped for this model; every learned policy's, so the fingerprint does not depend on which
+    policies a run selects), and under the alias ``kvpop`` the entry of the policy it names on ``model``: a folder made
     when ``kvpop`` named another scorer (before it was the model's default learned policy, it was the
     mLSTM) is refused, not read as today's ``kvpop``. The fingerprints of ``kvpop eval`` and ``kvpop eval
     tasks``."""

@@ -105,6 +105,23 @@ def tiny_config(
     return config
 
 
+def qwen_coder_config():
+    """The config (no weights) of Qwen2.5-Coder-0.5B-Instruct, the embedded model with scorers shipped for
+    it: what tests need to check that a model picks its own shipped scorer."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        hidden_size=896,
+        intermediate_size=4864,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+    )
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides: Any):
     """A randomly initialised tiny causal LM of ``arch`` (seeded, eval mode, on CPU)."""
     from transformers import AutoModelForCausalLM
