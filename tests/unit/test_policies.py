@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -103,6 +104,7 @@ def test_an_evaluation_asking_for_kvpop_records_the_concrete_policy(tmp_path):
     from kvpop.evaluate.core import concrete_policies
     from kvpop.evaluate.harness import content_kwargs, file_sha256
     from kvpop.evaluate.store import StoreMismatch, check_fingerprint
+    from kvpop.testing import smollm2_config
 
     model = tiny_model("llama", num_hidden_layers=2)
     assert concrete_policies(model, ("dense", "kvpop", "kvpop-mlp")) == (("dense", "kvpop-mlp"), {})
@@ -113,7 +115,8 @@ def test_an_evaluation_asking_for_kvpop_records_the_concrete_policy(tmp_path):
     own = {"kvpop": {"path": str(path)}}
     assert concrete_policies(model, ("kvpop", "h2o"), own) == (("kvpop-mlstm", "h2o"), given)
     # the fingerprint: today's kvpop is the MLP; a folder from before the rename recorded the mLSTM's file
-    now = content_kwargs(model, None)
+    # (the default model's shipped scorers: a model of its shape reads them)
+    now = content_kwargs(SimpleNamespace(config=smollm2_config()), None)
     mlp, mlstm = (file_sha256(DEFAULT_SCORERS[k]) for k in ("mlp", "mlstm"))
     assert now["kvpop"] == now["kvpop-mlp"] == {"sha256": mlp} and now["kvpop-mlstm"] == {"sha256": mlstm}
     old = {"kvpop": {"sha256": mlstm}, "kvpop-mlp": {"sha256": mlp}}

@@ -105,6 +105,22 @@ def tiny_config(
     return config
 
 
+def smollm2_config():
+    """The config (no weights) of SmolLM2-135M-Instruct, the embedded default model."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+        intermediate_size=1536,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+    )
+
+
 def qwen_coder_config():
     """The config (no weights) of Qwen2.5-Coder-0.5B-Instruct, the embedded model with scorers shipped for
     it: what tests need to check that a model picks its own shipped scorer."""

@@ -30,7 +30,6 @@ RESUME_KEYS = (
     "window_fraction",
     "sinks",
     "lam",
-    "target_power",
     "loss",
     "weighting",
     "lr",
@@ -245,6 +244,8 @@ class TrainConfig(RunSettings):
             del view["cross_heads"]
         if self.lam_scale is not None:  # likewise: only runs that set it record it
             view["lam_scale"] = self.lam_scale
+        if self.target_power != 1.0:  # and the power-mean target
+            view["target_power"] = self.target_power
         return view
 
     def validate(self) -> None:
