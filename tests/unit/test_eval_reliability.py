@@ -324,9 +324,9 @@ def test_the_fingerprint_hashes_the_scorer_shipped_for_the_model_it_evaluates():
 
     from kvpop.checkpoint import ASSETS, DEFAULT_SCORERS
     from kvpop.evaluate.harness import content_kwargs, file_sha256, shipped_scorer_file
-    from kvpop.testing import qwen_coder_config, tiny_model
+    from kvpop.testing import embedded_config, tiny_model
 
-    qwen = SimpleNamespace(config=qwen_coder_config())
+    qwen = SimpleNamespace(config=embedded_config("qwen2.5-coder-0.5b"))
     for kind, policy in (("mlp", "kvpop-mlp"), ("mlstm", "kvpop-mlstm")):
         path = ASSETS / f"qwen2.5-coder-0.5b-{kind}.safetensors"
         assert shipped_scorer_file(qwen, kind) == path

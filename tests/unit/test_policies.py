@@ -104,7 +104,7 @@ def test_an_evaluation_asking_for_kvpop_records_the_concrete_policy(tmp_path):
     from kvpop.evaluate.core import concrete_policies
     from kvpop.evaluate.harness import content_kwargs, file_sha256
     from kvpop.evaluate.store import StoreMismatch, check_fingerprint
-    from kvpop.testing import smollm2_config
+    from kvpop.testing import embedded_config
 
     model = tiny_model("llama", num_hidden_layers=2)
     assert concrete_policies(model, ("dense", "kvpop", "kvpop-mlp")) == (("dense", "kvpop-mlp"), {})
@@ -116,7 +116,7 @@ def test_an_evaluation_asking_for_kvpop_records_the_concrete_policy(tmp_path):
     assert concrete_policies(model, ("kvpop", "h2o"), own) == (("kvpop-mlstm", "h2o"), given)
     # the fingerprint: today's kvpop is the MLP; a folder from before the rename recorded the mLSTM's file
     # (the default model's shipped scorers: a model of its shape reads them)
-    now = content_kwargs(SimpleNamespace(config=smollm2_config()), None)
+    now = content_kwargs(SimpleNamespace(config=embedded_config("smollm2-135m-instruct")), None)
     mlp, mlstm = (file_sha256(DEFAULT_SCORERS[k]) for k in ("mlp", "mlstm"))
     assert now["kvpop"] == now["kvpop-mlp"] == {"sha256": mlp} and now["kvpop-mlstm"] == {"sha256": mlstm}
     old = {"kvpop": {"sha256": mlstm}, "kvpop-mlp": {"sha256": mlp}}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvpop.checkpoint import ASSETS, DEFAULT_SCORERS
 from kvpop.evaluate.harness import file_sha256
-from kvpop.testing import qwen_coder_config
+from kvpop.testing import embedded_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "rehash_scorers.py"
 
@@ -21,7 +21,7 @@ def _module():
 
 def test_a_qwen_folder_gets_qwen_scorer_hashes(tmp_path):
     model = tmp_path / "qwen"
-    qwen_coder_config().save_pretrained(model)
+    embedded_config("qwen2.5-coder-0.5b").save_pretrained(model)
     old_mlp, old_mlstm = (file_sha256(DEFAULT_SCORERS[k]) for k in ("mlp", "mlstm"))
     kw = {
         "kvpop": {"sha256": old_mlp},

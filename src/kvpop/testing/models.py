@@ -105,36 +105,26 @@ def tiny_config(
     return config
 
 
-def smollm2_config():
-    """The config (no weights) of SmolLM2-135M-Instruct, the embedded default model."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        hidden_size=576,
-        intermediate_size=1536,
-        vocab_size=49152,
-        rope_theta=100000.0,
-        max_position_embeddings=8192,
-    )
+# the shapes of the embedded models that have scorers shipped for them (configs only, no weights)
+_EMBEDDED_SHAPES = {
+    "smollm2-135m-instruct": ("llama", 30, 9, 3, 576, 1536, 49152, 100000.0, 8192),
+    "qwen2.5-coder-0.5b": ("qwen2", 24, 14, 2, 896, 4864, 151936, 1000000.0, 32768),
+}
 
 
-def qwen_coder_config():
-    """The config (no weights) of Qwen2.5-Coder-0.5B-Instruct, the embedded model with scorers shipped for
-    it: what tests need to check that a model picks its own shipped scorer."""
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        hidden_size=896,
-        intermediate_size=4864,
-        vocab_size=151936,
-        rope_theta=1000000.0,
-        max_position_embeddings=32768,
+def embedded_config(name: str):
+    """The config (no weights) of an embedded model with shipped scorers (:data:`_EMBEDDED_SHAPES`): what
+    tests need to check that a model of that shape picks its own shipped scorer."""
+    arch, layers, heads, kv, hidden, inter, vocab, theta, positions = _EMBEDDED_SHAPES[name]
+    return _config_class(arch)(
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        rope_theta=theta,
+        max_position_embeddings=positions,
     )
 
 
