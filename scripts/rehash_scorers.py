@@ -18,8 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvpop.checkpoint import ScorerMismatchError, default_scorer_path
-from kvpop.evaluate.harness import file_sha256
+from kvpop.evaluate.harness import file_sha256, shipped_scorer_file
 from kvpop.files import atomic_write
 from kvpop.policies import ALIAS, KIND_TO_POLICY
 
@@ -40,10 +39,10 @@ def rehash_folder(folder: Path) -> list[str]:
         entry = kw.get(policy)
         if not isinstance(entry, dict) or "path" in entry or "sha256" not in entry:
             continue
-        try:
-            digest = file_sha256(default_scorer_path(kind, config))
-        except ScorerMismatchError:
+        path = shipped_scorer_file(config, kind)
+        if path is None:
             continue
+        digest = file_sha256(path)
         if entry["sha256"] != digest:
             for name in (policy, ALIAS):
                 if kw.get(name) == entry:

@@ -261,7 +261,8 @@ def _chunk_observed(spec: StepSpec, st: LayerState, ch: _Chunk, q: Tensor, all_k
     k_loc = torch.cat([all_k[:, :, : s + w], all_k[:, :, n:]], dim=2)  # [b, h, s + w + c, d]
     logits = torch.einsum("bhqd,bhkd->bhqk", q.reshape(b, h, hq // h * c, d).float(), k_loc.float())
     logits = logits.view(b, h, hq // h, c, -1) * spec.scaling
-    kidx = torch.cat([ch.key_idx[..., : s + w], ch.key_idx[..., n:]], dim=-1).view(b, h, 1, 1, -1)
+    loc_idx = torch.cat([ch.key_idx[..., : s + w], ch.key_idx[..., n:]], dim=-1)  # [b, h, s + w + c]
+    kidx = loc_idx.view(b, h, 1, 1, -1)
     tq = ch.new_idx.view(b, 1, 1, c, 1)
     local = (kidx >= 0) & (kidx <= tq) & ((kidx < s) | (kidx > tq - w))
     # only the ring's and the chunk's keys gather statistics (sinks never leave; long-range keys are
@@ -269,8 +270,7 @@ def _chunk_observed(spec: StepSpec, st: LayerState, ch: _Chunk, q: Tensor, all_k
     p_mean = torch.softmax(logits.masked_fill_(~local, -math.inf), dim=-1).mean(dim=2)[..., s:]  # [b, h, c, w + c]
     if ch.padded:  # a padding query sees no local key: its row is NaN
         p_mean = p_mean.nan_to_num(0.0)
-    key_idx = torch.cat([ch.key_idx[..., s : s + w], ch.key_idx[..., n:]], dim=-1)
-    contrib = observed_sums(p_mean, key_idx, st.n_real, ch.valid, w, spec.obs_windows)  # [b, h, w + c, nobs]
+    contrib = observed_sums(p_mean, loc_idx[..., s:], st.n_real, ch.valid, w, spec.obs_windows)  # [b, h, w + c, nobs]
     return st.observed + contrib[:, :, :w], contrib[:, :, w:]
 
 

@@ -51,6 +51,8 @@ import math
 import torch
 from torch import Tensor
 
+from .validate import check_number
+
 __all__ = [
     "METHODS",
     "check_power",
@@ -93,10 +95,12 @@ def loss_mask(S: int, window: int, min_future: int | None = None, device=None) -
 
 
 def check_power(power) -> float:
-    """The power-mean exponent as a float, or one ValueError naming it (finite, at least 1)."""
-    if isinstance(power, bool) or not isinstance(power, (int, float)) or not math.isfinite(power) or power < 1:
-        raise ValueError(f"power must be a finite number >= 1 (1: the mean future attention); got {power!r}")
-    return float(power)
+    """The power-mean exponent as a float (finite, at least 1: 1 is the mean), by the project's number
+    check; a value of the wrong kind is a ValueError too, like every bad input of this module."""
+    try:
+        return check_number("power", power, minimum=1.0, optional=False)
+    except TypeError as e:
+        raise ValueError(str(e)) from None
 
 
 def _out_dtype(dtype: torch.dtype) -> torch.dtype:

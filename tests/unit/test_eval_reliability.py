@@ -329,7 +329,7 @@ def test_the_fingerprint_hashes_the_scorer_shipped_for_the_model_it_evaluates():
     qwen = SimpleNamespace(config=embedded_config("qwen2.5-coder-0.5b"))
     for kind, policy in (("mlp", "kvpop-mlp"), ("mlstm", "kvpop-mlstm")):
         path = ASSETS / f"qwen2.5-coder-0.5b-{kind}.safetensors"
-        assert shipped_scorer_file(qwen, kind) == path
+        assert shipped_scorer_file(qwen.config, kind) == path
         assert content_kwargs(qwen, None)[policy]["sha256"] == file_sha256(path) != file_sha256(DEFAULT_SCORERS[kind])
     # a model no shipped scorer fits records no hash (its learned policies need --scorer)
     assert "kvpop-mlp" not in content_kwargs(tiny_model("qwen2"), None)

@@ -198,7 +198,7 @@ def scorer_corpora(model, policy: str, kwargs: dict) -> tuple[tuple[str, ...] | 
     if path is None and bundle is not None and bundle.scorer is not None and bundle.scorer.config.kind == kind:
         corpora = (bundle.meta.get("meta") or {}).get("corpora")
         return (None if corpora is None else tuple(corpora)), f"{bundle.path} (adapter bundle)"
-    path = path or shipped_scorer_file(model, kind)
+    path = path or shipped_scorer_file(getattr(model, "config", None), kind)
     if path is None:
         return None, f"no shipped {kind} scorer fits this model"
     corpora = read_header(path).get("meta", {}).get("corpora")
@@ -388,11 +388,11 @@ def _adapter_fingerprint(model) -> dict | None:
     return {"path": str(folder), FILE_HASH_KEY: h.hexdigest()[:16]}
 
 
-def shipped_scorer_file(model, kind: str) -> Path | None:
-    """The shipped ``kind`` scorer a learned policy on ``model`` reads when given no file (the one trained
-    for that model, as :class:`~kvpop.policies.LearnedPolicy` picks it), or None if none fits."""
+def shipped_scorer_file(config, kind: str) -> Path | None:
+    """The shipped ``kind`` scorer a learned policy on a model of ``config`` reads when given no file (the
+    one trained for that model, as :class:`~kvpop.policies.LearnedPolicy` picks it), or None if none fits."""
     try:
-        return default_scorer_path(kind, getattr(model, "config", None))
+        return default_scorer_path(kind, config)
     except (ScorerMismatchError, FileNotFoundError):
         return None
 
@@ -410,7 +410,7 @@ def content_kwargs(model, policy_kwargs: dict | None) -> dict:
         kw = given.get(policy) or {}
         if kw.get("scorer") is not None:  # a scorer in memory: no file
             continue
-        path = kw.get("path") or shipped_scorer_file(model, kind)
+        path = kw.get("path") or shipped_scorer_file(getattr(model, "config", None), kind)
         digest = None if path is None else file_sha256(path)
         if digest is not None:
             kwargs[policy] = {**kwargs.get(policy, {}), FILE_HASH_KEY: digest}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..config import EvictionConfig, TrainedSettings, resolve_eviction
 from ..data import CORPORA
+from ..validate import check_number
 
 # Held out of training so the out-of-domain columns of the evaluation stay honest: one prose
 # corpus (Paul Graham's essays) and one code corpus (the CPython standard library).
@@ -301,9 +302,7 @@ class TrainConfig(RunSettings):
             raise ValueError(f"docs_from {self.docs_from} does not exist")
         if not math.isfinite(self.lam) or self.lam < 0:
             raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
-        tp = self.target_power
-        if isinstance(tp, bool) or not isinstance(tp, (int, float)) or not math.isfinite(tp) or tp < 1:
-            raise ValueError(f"target_power must be a finite number >= 1 (1: the mean), got {tp!r}")
+        check_number("target_power", self.target_power, minimum=1.0, optional=False)
         if self.capture_only and not self.store:
             raise ValueError("capture_only needs a store folder (--store DIR) to fill")
         if not self.docs_from:
