@@ -1,9 +1,10 @@
 """Prefill throughput of the current chunk step against the one at an earlier revision, in one process.
 
-Both versions of ``kvpop/step.py`` run on the same model, prompt and thread count, alternating round by
-round so that machine noise hits both alike; dense is timed beside them, and every policy gets one
-untimed warm-up prefill first. Only the chunk step is swapped (``kvpop.cache.prefill_chunk``), so the
-difference is that change alone.
+Both versions of ``kvpop/step.py`` (each with its own revision's ``observed_sums``) run on the same
+model, prompt and thread count, alternating round by round so that machine noise hits both alike;
+dense is timed beside them, and every policy gets one untimed warm-up prefill first. Only the chunk
+step is swapped (``kvpop.cache.prefill_chunk``), so the difference is that change alone. Every
+forward forms the last position's logits only (``logits_to_keep=1``, as ``generate()``'s prefill).
 
     python research/prefill_ab.py --old-rev e1548a0 --out results/prefill_ab
 
@@ -40,15 +41,22 @@ def main(argv: list[str] | None = None) -> int:
     from kvpop.compat import cache_kwargs
     from kvpop.models import load_model_quietly
 
-    src = subprocess.run(
-        ["git", "show", f"{args.old_rev}:src/kvpop/step.py"], check=True, capture_output=True, text=True
-    ).stdout
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location("kvpop.step_baseline", f.name)
-    old = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = old
-    spec.loader.exec_module(old)
+    def load_old(name: str):
+        """``src/kvpop/<name>.py`` at the old revision, as a module of its own."""
+        src = subprocess.run(
+            ["git", "show", f"{args.old_rev}:src/kvpop/{name}.py"], check=True, capture_output=True, text=True
+        ).stdout
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+            f.write(src)
+        spec = importlib.util.spec_from_file_location(f"kvpop.{name}_baseline", f.name)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+    old = load_old("step")
+    # the chunk statistics' sums live in observed.py: the baseline step uses that revision's too
+    old.observed_sums = load_old("observed").observed_sums
     steps = {"now": cache_mod.prefill_chunk, args.old_rev: old.prefill_chunk}
 
     model, tok = load_model_quietly(args.model)
@@ -61,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 cache_mod.prefill_chunk = steps[v]
                 cache = cache_for_spec(model, pol)
                 t0 = time.perf_counter()
-                model(ids if r else ids[:, :1024], **cache_kwargs(cache))
+                model(ids if r else ids[:, :1024], **cache_kwargs(cache), logits_to_keep=1)
                 if r:
                     times[f"{pol} [{v}]"].append(time.perf_counter() - t0)
     cache_mod.prefill_chunk = steps["now"]

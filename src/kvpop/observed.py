@@ -148,19 +148,28 @@ def observed_sums(p_mean, key_idx, n_real, valid, window: int, obs_windows) -> t
     """Per key, the attention it got from the chunk's queries that are at least ``window - o`` newer,
     for each observation window ``o``: ``[b, h, n + c, n_obs]``.
 
-    A row's real queries are consecutive tokens after its left padding, so "at least ``a`` newer"
-    is a suffix of the chunk's queries: one reverse cumulative sum over the queries, read at each
-    key's first qualifying query, gives every window's sum (instead of one masked pass per window).
-    ``p_mean [b, h, c, n + c]`` is zero for padding queries and for keys a query does not observe.
+    ``p_mean [b, h, c, n + c]`` is zero for padding queries and wherever a query does not observe the
+    key (the key is not in the query's window: older by ``window`` or more, newer, or an empty slot).
+    So the queries that count for window ``o`` are a band of at most ``o`` consecutive queries, the
+    last ``o`` steps before the key leaves the window: the whole window is one column sum, and a
+    narrow window gathers its ``o`` rows (instead of a suffix sum over all ``c`` queries per key).
+    A row's real queries are consecutive tokens after its left padding, so a key's band starts at
+    chunk position ``first_real - n_real + key_idx + window - o``.
     ``kvpop.testing.observed.observed_sums_reference`` is the direct form; a test holds them together.
     """
-    b, h, c, nk = p_mean.shape
-    suffix = torch.cat([p_mean.flip(2).cumsum(2).flip(2), p_mean.new_zeros(b, h, 1, nk)], 2)  # [b, h, c + 1, nk]
+    b, c = p_mean.shape[0], p_mean.shape[2]
     first_real = c - valid.long().sum(1)  # chunk position of each row's first real query
-    thr = torch.tensor([window - o for o in obs_windows], device=p_mean.device).view(1, 1, -1, 1)
-    start = (first_real - n_real).view(b, 1, 1, 1) + key_idx.unsqueeze(2) + thr  # [b, h, nobs, nk]
-    sums = suffix.gather(2, start.clamp(0, c))  # [b, h, nobs, nk]
-    return sums.transpose(2, 3)
+    out = []
+    for o in obs_windows:
+        thr = window - o
+        if thr <= 0:  # every query that observes the key counts
+            out.append(p_mean.sum(2))
+            continue
+        start = (first_real - n_real).view(b, 1, 1) + key_idx + thr  # [b, h, nk]
+        rows = start.unsqueeze(2) + torch.arange(o, device=p_mean.device).view(1, 1, o, 1)  # [b, h, o, nk]
+        inside = (rows >= 0) & (rows < c)
+        out.append((p_mean.gather(2, rows.clamp(0, c - 1)) * inside).sum(2))
+    return torch.stack(out, -1)
 
 
 def ring_contrib(p_ring: Tensor, age: Tensor, window: int, obs_windows: Sequence[int]) -> Tensor:

@@ -259,18 +259,22 @@ def _chunk_observed(spec: StepSpec, st: LayerState, ch: _Chunk, q: Tensor, all_k
     b, hq, c, d = q.shape
     h = all_k.shape[1]
     k_loc = torch.cat([all_k[:, :, : s + w], all_k[:, :, n:]], dim=2)  # [b, h, s + w + c, d]
-    logits = torch.einsum("bhqd,bhkd->bhqk", q.reshape(b, h, hq // h * c, d).float(), k_loc.float())
-    logits = logits.view(b, h, hq // h, c, -1) * spec.scaling
+    q_scaled = q.reshape(b, h, hq // h * c, d).float() * spec.scaling  # scale the queries, not the larger logits
+    logits = torch.matmul(q_scaled, k_loc.float().transpose(-1, -2)).view(b, h, hq // h, c, -1)
     loc_idx = torch.cat([ch.key_idx[..., : s + w], ch.key_idx[..., n:]], dim=-1)  # [b, h, s + w + c]
     kidx = loc_idx.view(b, h, 1, 1, -1)
     tq = ch.new_idx.view(b, 1, 1, c, 1)
     local = (kidx >= 0) & (kidx <= tq) & ((kidx < s) | (kidx > tq - w))
+    # an additive 0 / -inf bias broadcast over the query heads costs far less than a broadcast masked_fill
+    logits.add_(torch.where(local, 0.0, -math.inf))
     # only the ring's and the chunk's keys gather statistics (sinks never leave; long-range keys are
-    # never local): every later step works per key, so it runs on those columns alone
-    p_mean = torch.softmax(logits.masked_fill_(~local, -math.inf), dim=-1).mean(dim=2)[..., s:]  # [b, h, c, w + c]
+    # never local): every later step works per key, so it runs on those columns alone. The sums are
+    # linear, so the mean over the group's query heads is taken on the (small) result.
+    p_sum = torch.softmax(logits, dim=-1).sum(dim=2)[..., s:]  # [b, h, c, w + c]
     if ch.padded:  # a padding query sees no local key: its row is NaN
-        p_mean = p_mean.nan_to_num(0.0)
-    contrib = observed_sums(p_mean, loc_idx[..., s:], st.n_real, ch.valid, w, spec.obs_windows)  # [b, h, w + c, nobs]
+        p_sum = p_sum.nan_to_num(0.0)
+    contrib = observed_sums(p_sum, loc_idx[..., s:], st.n_real, ch.valid, w, spec.obs_windows)  # [b, h, w + c, nobs]
+    contrib = contrib / (hq // h)
     return st.observed + contrib[:, :, :w], contrib[:, :, w:]
 
 
@@ -340,15 +344,22 @@ def _chunk_visible(spec: StepSpec, ch: _Chunk, lr_leave: Tensor, ex_leave: Tenso
 
 def _chunk_attend(q: Tensor, all_k: Tensor, all_v: Tensor, visible: Tensor, scaling: float) -> Tensor:
     """Each query over the slots and the chunk, as ``visible`` allows: ``[b, hq, c, d]`` (one fused
-    attention call; the statistics formed their own logits over the local keys only)."""
+    attention call; the statistics formed their own logits over the local keys only).
+
+    The KV heads go into the batch and each one's query heads into the head dimension, so one
+    ``[c, B + c]`` mask per KV head broadcasts over its query heads instead of being copied for each."""
     b, hq, c, d = q.shape
     h, nk = all_k.shape[1], all_k.shape[2]
     g = hq // h
-    mask = visible.unsqueeze(2).expand(b, h, g, c, nk).reshape(b, h, g * c, nk)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.reshape(b, h, g * c, d), all_k, all_v, attn_mask=mask, scale=scaling
+        q.reshape(b * h, g, c, d),
+        all_k.reshape(b * h, 1, nk, d),
+        all_v.reshape(b * h, 1, nk, all_v.shape[-1]),
+        attn_mask=visible.reshape(b * h, 1, c, nk),
+        scale=scaling,
+        enable_gqa=True,
     )
-    return out.reshape(b, h * g, c, -1)  # CUDA kernels may return a non-contiguous layout
+    return out.reshape(b, hq, c, -1)  # CUDA kernels may return a non-contiguous layout
 
 
 def _chunk_commit(

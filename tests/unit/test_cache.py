@@ -122,6 +122,27 @@ def test_chunked_prefill_equals_token_by_token(policy, chunk, dtype):
         assert torch.equal(sa, sb)
 
 
+def test_default_prefill_piece_is_at_most_256_and_exact():
+    """Windows above 256 prefill in pieces of 256 (the fastest measured), smaller ones in one window;
+    a long prompt prefilled that way holds what the whole-window pieces hold."""
+    from kvpop.config import PREFILL_CHUNK, EvictionConfig
+
+    assert EvictionConfig(window=8).chunk == 8
+    assert EvictionConfig(window=1024).chunk == PREFILL_CHUNK == 256
+    assert EvictionConfig(window=1024, prefill_chunk=1000).chunk == 1000
+    model = tiny_model("llama", num_hidden_layers=2)
+    ids = torch.cat([_unique_ids(128, seed=i) for i in range(8)], dim=1)[:, :900]
+    a = KVpopCache(model.config, budget=400, window=300, sinks=4, policy="h2o")
+    b = KVpopCache(model.config, budget=400, window=300, sinks=4, policy="h2o", prefill_chunk=300)
+    assert a.eviction.chunk == 256 and b.eviction.chunk == 300
+    with torch.no_grad():
+        la = model(ids, past_key_values=a).logits
+        lb = model(ids, past_key_values=b).logits
+    torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
+    for layer_a, layer_b in zip(a.layers, b.layers):
+        assert torch.equal(layer_a.slot_index.sort(-1).values, layer_b.slot_index.sort(-1).values)
+
+
 @pytest.mark.parametrize("policy", ["streaming", "h2o", "kvpop-mlstm+"])
 def test_bfloat16_tolerance_catches_a_wrong_slot(policy):
     """The bfloat16 parity tolerance is not so loose that a wrong slot passes: a reference holding one

@@ -348,11 +348,14 @@ def test_bench_specs_floor_and_compile():
     cache = cache_for_spec(model, "h2o@24+compile")
     assert cache.budget == 24 and cache.compiled_step.enabled
     assert not cache_for_spec(model, "h2o@24").compiled_step.enabled  # a spec without +compile: eager
+    assert parse_policy("kvpop-mlp@2048/1024") == ("kvpop-mlp", 2048)
+    assert cache_for_spec(model, "h2o@24/4").eviction.chunk == 4  # a prefill piece of its own
+    assert cache_for_spec(model, "h2o@24").eviction.chunk == cache.eviction.chunk
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_observed_sums_equal_reference(seed):
-    """The suffix-sum form of the chunk's observed-attention statistics equals the masked sums."""
+    """The banded form of the chunk's observed-attention statistics equals the masked sums."""
     from kvpop.observed import observed_sums
     from kvpop.testing.observed import observed_sums_reference
 
@@ -366,9 +369,10 @@ def test_observed_sums_equal_reference(seed):
     new_idx = torch.where(valid, n_real.unsqueeze(1) + valid.long().cumsum(1) - 1, -1)
     key_idx = torch.cat([held, new_idx.unsqueeze(1).expand(b, h, c)], 2)
     age = new_idx.view(b, 1, c, 1) - key_idx.unsqueeze(2)
-    seen = (key_idx.unsqueeze(2) >= 0) & (age >= 0) & valid.view(b, 1, c, 1)
+    # a query observes a key while it is in its window (0 <= age < w): zero elsewhere, as the chunk step gives
+    seen = (key_idx.unsqueeze(2) >= 0) & (age >= 0) & (age < w) & valid.view(b, 1, c, 1)
     p_mean = torch.rand(b, h, c, n + c, generator=g) * seen
-    for obs in [(5, 2, 1), (1,), (3, 5)]:
+    for obs in [(5, 2, 1), (1,), (3, 5), (4, 6)]:
         got = observed_sums(p_mean, key_idx, n_real, valid, w, obs)
         torch.testing.assert_close(got, observed_sums_reference(p_mean, key_idx, n_real, valid, w, obs))
 
@@ -428,3 +432,62 @@ def test_default_compiles_only_once_a_generation_is_long(monkeypatch):
     assert b.compile_status == "compiled" and _all_bound(b)
     eager = _run(model, KVpopCache(model.config, compile=False, **kw), long_ids, 30)
     torch.testing.assert_close(lb, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_bench_vllm_parts_and_plot_of_one_part(tmp_path):
+    """``kvpop bench vllm --parts`` measures one part alone: a bad part is refused at parsing, and the
+    plot of a throughput-only run (with the prefill seconds it reports) is drawn."""
+    from kvpop.bench import vllm as bench_vllm
+
+    assert bench_vllm._parse(["--parts", "throughput"]).parts == ["throughput"]
+    assert bench_vllm._parse([]).parts == ["admission", "throughput"]
+    with pytest.raises(SystemExit):
+        bench_vllm._parse(["--parts", "prefill"])
+    row = {"count": 2, "tokens_per_s": 10.0, "prefill_seconds": 3.0}
+    results = {
+        "budget": 512,
+        "kv_space_mib": 512,
+        "throughput_length": 4096,
+        "admission": {},
+        "throughput": {"dense": {"rows": [row]}, "kvpop-mlp": {"rows": [dict(row, tokens_per_s=20.0)]}},
+    }
+    assert bench_vllm.plot(results, tmp_path / "p.png").is_file()
+
+
+def test_bench_prefill_writes_json_and_png(tmp_path):
+    """``kvpop bench prefill`` on a tiny model: one row per spec (a prefill piece of its own included),
+    the ratio to dense, and the plot beside the JSON."""
+    import json
+
+    from kvpop.bench import prefill
+
+    model = tiny_model("llama", num_hidden_layers=1)
+
+    class Tok:  # text_ids needs a tokenizer only to cut real text; any ids do here
+        pass
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefill, "load_model_quietly", lambda name: (model, Tok()))
+        mp.setattr(prefill, "text_ids", lambda tok, n: _ids(n))
+        out = tmp_path / "p"
+        assert (
+            prefill.main(
+                [
+                    "--length",
+                    "60",
+                    "--repeats",
+                    "1",
+                    "--warmup",
+                    "8",
+                    "--policies",
+                    "dense,h2o@24,h2o@24/4",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert [r["policy"] for r in result["rows"]] == ["dense", "h2o@24", "h2o@24/4"]
+    assert result["rows"][0]["throughput_vs_dense"] == 1.0
+    assert out.with_suffix(".png").stat().st_size > 0

@@ -43,14 +43,21 @@ def step_row(name: str, step_ms: float, floor_ms: float, dense_ms: float, steps:
 
 def parse_policy(spec: str) -> tuple[str, int | None]:
     """``"dense"``, ``"floor@B"`` or ``"name@B"`` (e.g. ``kvpop-mlp@512``; ``kvpop-mlstm@512+compile`` compiles
-    the steady decode step). Returns (name, budget); the ``+compile`` suffix stays on the name."""
+    the steady decode step; ``kvpop-mlp@2048/1024`` prefills in pieces of 1,024, see :func:`prefill_chunk_of`).
+    Returns (name, budget); the ``+compile`` suffix stays on the name."""
     if spec == "dense":
         return "dense", None
     if "@" not in spec:
         raise ValueError(f"policy spec must be 'dense', 'floor@budget' or 'name@budget', got {spec!r}")
     name, b = spec.split("@", 1)
     compile_ = b.endswith("+compile")
-    return name + ("+compile" if compile_ else ""), int(b.removesuffix("+compile"))
+    return name + ("+compile" if compile_ else ""), int(b.removesuffix("+compile").split("/", 1)[0])
+
+
+def prefill_chunk_of(spec: str) -> int | None:
+    """The prefill piece of a spec ``name@B/C`` (``C``), or None for the cache's default."""
+    budget = spec.split("@", 1)[1].removesuffix("+compile") if "@" in spec else ""
+    return int(budget.split("/", 1)[1]) if "/" in budget else None
 
 
 def cache_for_spec(model, spec: str):
@@ -64,7 +71,7 @@ def cache_for_spec(model, spec: str):
     if name == "floor":
         return StaticCache(config=model.config, max_cache_len=budget)
     base = name.removesuffix("+compile")
-    return make_cache(model, base, budget=budget, compile=base != name)
+    return make_cache(model, base, budget=budget, compile=base != name, prefill_chunk=prefill_chunk_of(spec))
 
 
 def kv_bytes(cache) -> int:

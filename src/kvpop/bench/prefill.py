@@ -3,9 +3,11 @@
 The same real-text prompt is prefilled ``--repeats`` times per policy, alternating policies in
 one process so that machine noise hits all of them alike; the median is reported. Each policy
 first prefills ``--warmup`` tokens untimed (kernels, thread pool and allocator warm; ``warmup_s``),
-so the first timed round is not the first call.
+so the first timed round is not the first call. Only the last position's logits are formed
+(``logits_to_keep=1``, as ``generate()``'s prefill does): the vocabulary projection of every
+position costs every policy the same and would only pull the ratios towards 1.
 
-    kvpop bench prefill --length 4096 --out results/bench_prefill
+    kvpop bench prefill --length 4096 --out results/bench_prefill     # writes .json and .png
 """
 
 from __future__ import annotations
@@ -17,14 +19,34 @@ from pathlib import Path
 import torch
 
 from ..compat import cache_kwargs
+from ..evaluate.plotting import pyplot, save_figure
 from ..models import load_model_quietly
 from .common import cache_for_spec, median, text_ids, write_json
+
+
+def plot(result: dict, out: Path) -> Path:
+    """Prompt tokens/s per policy, dense's as a line."""
+    plt = pyplot()
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows)), 3.8))
+    bars = ax.bar([r["policy"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:blue")
+    ax.bar_label(bars, [f"{r['throughput_vs_dense']:.2f}x" if r["throughput_vs_dense"] else "" for r in rows])
+    ax.set_ylabel("prompt tokens/s")
+    ax.margins(y=0.12)
+    ax.set_title(f"prefill of {result['length']:,} tokens, {result['threads']} threads (median of {result['repeats']})")
+    ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    return save_figure(fig, out)
 
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvpop bench prefill", description=__doc__.split("\n\n")[0])
-    p.add_argument("--policies", default="dense,knorm@512,kvpop-mlp@512,h2o@512")
+    p.add_argument(
+        "--policies",
+        default="dense,knorm@512,kvpop-mlp@512,h2o@512",
+        help="comma-separated: dense, NAME@B, NAME@B/C (prefill in pieces of C tokens; default min(window, 256))",
+    )
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument(
@@ -41,13 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     warmup: dict[str, float] = {}
     for spec in specs if args.warmup else ():
         t0 = time.perf_counter()
-        model(ids[:, : args.warmup], **cache_kwargs(cache_for_spec(model, spec)))
+        model(ids[:, : args.warmup], **cache_kwargs(cache_for_spec(model, spec)), logits_to_keep=1)
         warmup[spec] = time.perf_counter() - t0
     for _ in range(args.repeats):
         for spec in specs:
             cache = cache_for_spec(model, spec)
             t0 = time.perf_counter()
-            model(ids, **cache_kwargs(cache))
+            model(ids, **cache_kwargs(cache), logits_to_keep=1)
             times[spec].append(time.perf_counter() - t0)
     dense = median(times["dense"]) if "dense" in times else None
     rows = []
@@ -63,17 +85,16 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         print(f"{spec:>16}: {tps:.0f} tok/s" + (f"  ({rows[-1]['throughput_vs_dense']:.2f}x dense)" if dense else ""))
-    write_json(
-        {
-            "length": args.length,
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "threads": torch.get_num_threads(),
-            "options": vars(args),
-            "rows": rows,
-        },
-        Path(args.out).with_suffix(".json"),
-    )
+    result = {
+        "length": args.length,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "threads": torch.get_num_threads(),
+        "options": vars(args),
+        "rows": rows,
+    }
+    write_json(result, Path(args.out).with_suffix(".json"))
+    plot(result, Path(args.out).with_suffix(".png"))
     return 0
 
 

@@ -181,7 +181,10 @@ def plot(results: dict, out: Path) -> Path:
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     adm = results["admission"]
-    lengths = [r["length"] for r in adm[DENSE]["rows"]]
+    if not adm:
+        a.set_axis_off()
+        a.text(0.5, 0.5, "admission not measured (--parts)", ha="center", va="center")
+    lengths = [r["length"] for r in adm.get(DENSE, {}).get("rows", [])]
     x = range(len(lengths))
     w = 0.38
     for j, mode in enumerate(adm):
@@ -190,12 +193,16 @@ def plot(results: dict, out: Path) -> Path:
             [i + (j - 0.5) * w for i in x], vals, w, label=mode if mode == DENSE else f"{mode} B={results['budget']}"
         )
         a.bar_label(bars, fontsize=8)
-    a.set_xticks(list(x), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
-    a.set_xlabel("request length L (prompt + new tokens)")
-    a.set_ylabel("concurrent requests (measured)")
-    a.set_title(f"admitted at {results['kv_space_mib']} MiB of KV cache")
-    a.legend()
+    if adm:
+        a.set_xticks(list(x), [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths])
+        a.set_xlabel("request length L (prompt + new tokens)")
+        a.set_ylabel("concurrent requests (measured)")
+        a.set_title(f"admitted at {results['kv_space_mib']} MiB of KV cache")
+        a.legend()
     tp = results["throughput"]
+    if not tp:
+        b.set_axis_off()
+        b.text(0.5, 0.5, "throughput not measured (--parts)", ha="center", va="center")
     for mode in tp:
         rows = tp[mode]["rows"]
         b.plot(
@@ -206,8 +213,9 @@ def plot(results: dict, out: Path) -> Path:
         )
     b.set_xlabel(f"concurrent {results['throughput_length']}-token requests")
     b.set_ylabel("decode tokens/s (all requests)")
-    b.set_title("decode throughput")
-    b.legend()
+    if tp:
+        b.set_title("decode throughput")
+        b.legend()
     fig.tight_layout()
     return save_figure(fig, out)
 
@@ -230,10 +238,18 @@ def _parse(argv):
         action="store_true",
         help="throughput: run kvpop's decode step eagerly (default: compiled, compile=true)",
     )
+    p.add_argument(
+        "--parts",
+        default="admission,throughput",
+        help="what to measure: admission, throughput (decode tokens/s and the prefill before it), or both",
+    )
     p.add_argument("--out", default="results/bench_vllm")
     p.add_argument("--_worker", nargs=3, default=None, help=argparse.SUPPRESS)  # part, mode, result file
     p.add_argument("--_model_dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.parts = [x for x in args.parts.split(",") if x]
+    if not args.parts or any(x not in ("admission", "throughput") for x in args.parts):
+        p.error(f"--parts must be admission, throughput or both (comma-separated), got {','.join(args.parts)!r}")
     try:
         args.lengths = [int(x) for x in args.lengths.split(",")]
         args.concurrency = [int(x) for x in args.concurrency.split(",")]
@@ -315,7 +331,7 @@ def main(argv=None) -> int:
         *(["--eager"] if args.eager else []),
         *(["--no-compile"] if args.no_compile else []),
     ]
-    for part in ("admission", "throughput"):
+    for part in args.parts:
         for mode in (DENSE, args.policy):
             print(f"[bench vllm] {part}: {mode} ...", file=sys.stderr, flush=True)
             with tempfile.TemporaryDirectory() as tmp:
@@ -344,8 +360,8 @@ def main(argv=None) -> int:
                     raise SystemExit(f"{part} {mode} failed ({res.returncode}):\n{res.stderr[-5000:]}")
                 results[part][mode] = json.loads(result.read_text())
     table = []
-    dense, kv = results["admission"][DENSE]["rows"], results["admission"][args.policy]["rows"]
-    for d, k in zip(dense, kv):
+    adm = results["admission"]
+    for d, k in zip(adm.get(DENSE, {}).get("rows", []), adm.get(args.policy, {}).get("rows", [])):
         table.append(
             {
                 "length": d["length"],
@@ -356,13 +372,18 @@ def main(argv=None) -> int:
             }
         )
     tp = []
-    for d, k in zip(results["throughput"][DENSE]["rows"], results["throughput"][args.policy]["rows"]):
+    thr = results["throughput"]
+    for d, k in zip(thr.get(DENSE, {}).get("rows", []), thr.get(args.policy, {}).get("rows", [])):
         tp.append(
             {
                 "count": d["count"],
                 "dense_tokens_per_s": d["tokens_per_s"],
                 "kvpop_tokens_per_s": k["tokens_per_s"],
                 "ratio": k["tokens_per_s"] / d["tokens_per_s"],
+                # the engine steps before every request decodes: the prompts' prefill
+                "dense_prefill_s": d["prefill_seconds"],
+                "kvpop_prefill_s": k["prefill_seconds"],
+                "prefill_vs_dense": d["prefill_seconds"] / k["prefill_seconds"],
             }
         )
     results["table"] = {"admission": table, "throughput": tp}
@@ -378,7 +399,9 @@ def main(argv=None) -> int:
     for row in tp:
         print(
             f"{row['count']} x {args.throughput_length} tokens: decode {row['dense_tokens_per_s']:.1f} tok/s dense, "
-            f"{row['kvpop_tokens_per_s']:.1f} tok/s {args.policy}  x{row['ratio']:.2f}"
+            f"{row['kvpop_tokens_per_s']:.1f} tok/s {args.policy}  x{row['ratio']:.2f}; prefill "
+            f"{row['dense_prefill_s']:.1f} s dense, {row['kvpop_prefill_s']:.1f} s {args.policy} "
+            f"({row['prefill_vs_dense']:.2f}x dense's speed)"
         )
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')} in {results['wall_seconds']:.0f} s")
     return 0
