@@ -136,8 +136,8 @@ def budget_of_compression(compression: float, reference_length: int | None) -> i
 # Default prefill piece. Every length up to the window gives the same cache and outputs; per token, a
 # piece of c costs attention over B + c keys, statistics over sinks + window + c and a rule over
 # k + c candidates, so shorter pieces are cheaper until the per-piece overhead dominates. 256 was
-# the fastest measured (docs/speed.md): 1.13x dense against 0.94x for the whole window (1,024) on
-# Qwen2.5-Coder-0.5B at 16,384 tokens and B = 2,048; on SmolLM2 at B = 512, 64 and 128 were slower.
+# the fastest measured (docs/speed.md): 1.08x dense against 0.86x for the whole window (1,024) in one
+# run on Qwen2.5-Coder-0.5B at 16,384 tokens and B = 2,048; on SmolLM2 at B = 512, 64 and 128 were slower.
 PREFILL_CHUNK = 256
 
 
