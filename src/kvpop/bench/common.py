@@ -49,15 +49,19 @@ def parse_policy(spec: str) -> tuple[str, int | None]:
         return "dense", None
     if "@" not in spec:
         raise ValueError(f"policy spec must be 'dense', 'floor@budget' or 'name@budget', got {spec!r}")
-    name, b = spec.split("@", 1)
-    compile_ = b.endswith("+compile")
-    return name + ("+compile" if compile_ else ""), int(b.removesuffix("+compile").split("/", 1)[0])
+    name = spec.split("@", 1)[0] + ("+compile" if spec.endswith("+compile") else "")
+    return name, int(_budget_field(spec).split("/", 1)[0])
 
 
 def prefill_chunk_of(spec: str) -> int | None:
     """The prefill piece of a spec ``name@B/C`` (``C``), or None for the cache's default."""
-    budget = spec.split("@", 1)[1].removesuffix("+compile") if "@" in spec else ""
-    return int(budget.split("/", 1)[1]) if "/" in budget else None
+    field = _budget_field(spec) if "@" in spec else ""
+    return int(field.split("/", 1)[1]) if "/" in field else None
+
+
+def _budget_field(spec: str) -> str:
+    """What follows ``@`` in a spec, without ``+compile``: ``B`` or ``B/C``."""
+    return spec.split("@", 1)[1].removesuffix("+compile")
 
 
 def cache_for_spec(model, spec: str):
