@@ -1,12 +1,14 @@
 """Prefill throughput of the current chunk step against the one at an earlier revision, in one process.
 
-Both versions of ``kvpop/step.py`` (each with its own revision's ``observed_sums``) run on the same
-model, prompt and thread count, alternating round by round so that machine noise hits both alike;
-dense is timed beside them, and every policy gets one untimed warm-up prefill first. Only the chunk
-step is swapped (``kvpop.cache.prefill_chunk``), so the difference is that change alone. Every
-forward forms the last position's logits only (``logits_to_keep=1``, as ``generate()``'s prefill).
+Both versions of ``kvpop/step.py`` (each with its own revision's ``observed_sums``), or with
+``--swap mlstm`` of the mLSTM scorer's methods (``kvpop/scorers/mlstm.py``), run on the same model,
+prompt and thread count, alternating round by round so that machine noise hits both alike; dense is
+timed beside them, and every policy gets one untimed warm-up prefill first. Only that code is swapped,
+so the difference is that change alone. Every forward forms the last position's logits only
+(``logits_to_keep=1``, as ``generate()``'s prefill).
 
     python research/prefill_ab.py --old-rev e1548a0 --out results/prefill_ab
+    python research/prefill_ab.py --swap mlstm --old-rev HEAD --policies kvpop-mlp@512,kvpop-mlstm@512
 
 Writes OUT.json (seconds per round, medians, ratios to dense) and prints one line per row.
 """
@@ -28,7 +30,8 @@ import torch
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--old-rev", required=True, help="git revision whose src/kvpop/step.py is the baseline")
+    p.add_argument("--old-rev", required=True, help="git revision whose code is the baseline")
+    p.add_argument("--swap", choices=("step", "mlstm"), default="step", help="the chunk step or the mLSTM's methods")
     p.add_argument("--policies", default="h2o@512,kvpop-mlp@512,kvpop-mlstm@512")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
@@ -48,16 +51,33 @@ def main(argv: list[str] | None = None) -> int:
         ).stdout
         with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
             f.write(src)
-        spec = importlib.util.spec_from_file_location(f"kvpop.{name}_baseline", f.name)
+        spec = importlib.util.spec_from_file_location(f"kvpop.{name.replace('/', '.')}_baseline", f.name)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod
         spec.loader.exec_module(mod)
         return mod
 
-    old = load_old("step")
-    # the chunk statistics' sums live in observed.py: the baseline step uses that revision's too
-    old.observed_sums = load_old("observed").observed_sums
-    steps = {"now": cache_mod.prefill_chunk, args.old_rev: old.prefill_chunk}
+    if args.swap == "step":
+        old = load_old("step")
+        # the chunk statistics' sums live in observed.py: the baseline step uses that revision's too
+        old.observed_sums = load_old("observed").observed_sums
+        steps = {"now": cache_mod.prefill_chunk, args.old_rev: old.prefill_chunk}
+
+        def use(version: str) -> None:
+            cache_mod.prefill_chunk = steps[version]
+    else:
+        from kvpop.scorers.mlstm import KVpopMLSTM
+
+        def methods(cls) -> dict:
+            return {k: v for k, v in vars(cls).items() if callable(v) or isinstance(v, staticmethod)}
+
+        old_cls = load_old("scorers/mlstm").KVpopMLSTM
+        steps = {"now": methods(KVpopMLSTM), args.old_rev: methods(old_cls)}
+        steps[args.old_rev].pop("__init__")  # instances are built by the current class
+
+        def use(version: str) -> None:
+            for k, v in steps[version].items():
+                setattr(KVpopMLSTM, k, v)
 
     model, tok = load_model_quietly(args.model)
     ids = text_ids(tok, args.length)
@@ -66,15 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         for r in range(args.repeats + 1):
             for pol, v in rows:
-                cache_mod.prefill_chunk = steps[v]
+                use(v)
                 cache = cache_for_spec(model, pol)
                 t0 = time.perf_counter()
                 model(ids if r else ids[:, :1024], **cache_kwargs(cache), logits_to_keep=1)
                 if r:
                     times[f"{pol} [{v}]"].append(time.perf_counter() - t0)
-    cache_mod.prefill_chunk = steps["now"]
+    use("now")
     dense = statistics.median(times["dense [now]"])
-    out = {"length": args.length, "threads": torch.get_num_threads(), "old_rev": args.old_rev, "rows": []}
+    out = {"length": args.length, "threads": torch.get_num_threads(), "old_rev": args.old_rev, "swap": args.swap}
+    out["rows"] = []
     for name, ts in times.items():
         med = statistics.median(ts)
         out["rows"].append({"row": name, "seconds": ts, "median_s": med, "throughput_vs_dense": dense / med})

@@ -221,6 +221,43 @@ def test_mlstm_multi_token_step_and_read_steps():
         mod.step_and_read(st0, k[:, :, 5:9], v[:, :, 5:9], k[:, :, :2], v[:, :, :2], read_steps=[0, 4])
 
 
+@pytest.mark.parametrize("n,block", [(2, 4), (7, 4), (8, 4), (13, 5), (16, 32)])
+@pytest.mark.parametrize("start", [0, 6])
+@pytest.mark.parametrize("masked", [False, True])
+def test_mlstm_prefill_exits_equal_token_by_token(n, block, start, masked):
+    """A prefill piece reads exiting token j right after new token j (``read_steps = arange(n)``), which
+    takes the chunkwise form in blocks of ``prefill_block``: from an empty or a used state, padding
+    tokens included, it equals stepping and reading one token at a time."""
+    mod = _mlstm(stress=True)
+    mod.prefill_block = block
+    k, v = _kv(start + 2 * n, seed=n + start)
+    st0 = mod.step(mod.init_state(B), k[:, :, :start], v[:, :, :start]) if start else mod.init_state(B)
+    new = slice(start, start + n)
+    reads = slice(start + n, start + 2 * n)  # any tokens can be read; these are not in the state
+    mask = torch.ones(B, n, dtype=torch.bool)
+    if masked:
+        mask[0, :2] = False  # left padding of row 0
+    st, got = mod.step_and_read(
+        st0,
+        k[:, :, new],
+        v[:, :, new],
+        k[:, :, reads],
+        v[:, :, reads],
+        read_steps=torch.arange(n),
+        mask=mask if masked else None,
+    )
+    ref, s = [], st0
+    for j in range(n):
+        s = mod.step(s, k[:, :, start + j : start + j + 1], v[:, :, start + j : start + j + 1], mask[:, j : j + 1])
+        ref.append(mod.read(s, k[:, :, start + n + j : start + n + j + 1], v[:, :, start + n + j : start + n + j + 1]))
+    ref = torch.cat(ref, 2)
+    live = torch.isfinite(ref) & (ref.abs() > 0)
+    assert live.any()
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    for a, b in ((st.C, s.C), (st.n, s.n), (st.m, s.m)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("h_norm,read_mlp", [(True, True), (False, True), (True, False)])
 def test_readout_and_score_head_equal_in_the_training_and_the_decode_form(h_norm, read_mlp):
     """KVpopMLSTM reads several tokens per row (matmuls), the fused decode step one per row (broadcast-and-sum,
@@ -229,7 +266,7 @@ def test_readout_and_score_head_equal_in_the_training_and_the_decode_form(h_norm
     mod = _mlstm(stress=True, h_norm=h_norm, read_mlp=read_mlp)
     k, v = _kv(12)
     st = mod.step(mod.init_state(B), k[:, :, :7], v[:, :, :7])
-    qq, u = mod._split_read(mod._project(k[:, :, 7:], v[:, :, 7:]), st.C.dtype)
+    qq, u = mod._split_read(mod._project(k[:, :, 7:], v[:, :, 7:], mod._read_cols), st.C.dtype)
     head = {"h_norm": h_norm, "read_mlp": read_mlp, "eps": mod.eps}
     many = score_head(mlstm_read(st, qq), u, mod.w_out, mod.b_out, **head)
     assert many.shape == (B, H, 5) and torch.equal(many, mod.read(st, k[:, :, 7:], v[:, :, 7:]))

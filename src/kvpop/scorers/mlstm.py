@@ -170,6 +170,7 @@ class KVpopMLSTM(BaseScorer):
     """
 
     is_stateful = True
+    prefill_block = 32
 
     def __init__(
         self,
@@ -210,6 +211,8 @@ class KVpopMLSTM(BaseScorer):
         self._o_q = self._o_gate + 2
         self._o_u = self._o_q + self.dk
         E = self._o_u + self.hidden
+        self._new_cols = slice(0, self._o_q)
+        self._read_cols = slice(self._o_q, E)
         self.w_proj = nn.Parameter(torch.empty(H, self.in_dim, E))
         self.b_proj = nn.Parameter(torch.empty(H, E))
         self.w_out = nn.Parameter(torch.empty(H, self.dv + self.hidden, 1))
@@ -239,9 +242,11 @@ class KVpopMLSTM(BaseScorer):
             normal_init_(self.w_extra, 1.0 / math.sqrt(self.n_extra), g)
 
     # ----------------------------------------------------------------- helpers
-    def _project(self, k: Tensor, v: Tensor) -> Tensor:
+    def _project(self, k: Tensor, v: Tensor, cols: slice = slice(None)) -> Tensor:
+        """The fused projection's columns ``cols`` (``_new_cols``: what a consumed token adds to the state;
+        ``_read_cols``: what a read token asks), or all of them."""
         x = kv_features(k, v, self.input_norm, self.eps, dtype=self.w_proj.dtype)
-        return head_linear(x, self.w_proj, self.b_proj)
+        return head_linear(x, self.w_proj[..., cols], self.b_proj[..., cols])
 
     def _split_new(self, p: Tensor, dtype: torch.dtype | None = None):
         if dtype is not None and p.dtype != dtype:
@@ -254,8 +259,8 @@ class KVpopMLSTM(BaseScorer):
         logf = F.logsigmoid(fg) if self.forget_gate == "sigmoid" else fg
         return kk, vv, ig, logf
 
-    def _split_read(self, p: Tensor, dtype: torch.dtype | None = None, extra: Tensor | None = None):
-        r = p[..., self._o_q :]
+    def _split_read(self, r: Tensor, dtype: torch.dtype | None = None, extra: Tensor | None = None):
+        """The read columns ``r`` (``_read_cols``) -> (query, feature-MLP pre-activation)."""
         if self.n_extra:
             if extra is None or extra.shape[:-1] != r.shape[:-1] or extra.shape[-1] != self.n_extra:
                 got = None if extra is None else tuple(extra.shape)
@@ -363,26 +368,30 @@ class KVpopMLSTM(BaseScorer):
             h = torch.cat(outs, dim=2)
         return h, self._update(state, kk, vv, ig, logf, F64)
 
-    # --------------------------------------------------- chunkwise (training)
-    def _chunkwise(
-        self, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor, qq: Tensor, window: int, L: int
+    # --------------------------------------------------------------- chunkwise
+    @staticmethod
+    def _chunk_scan(
+        state: MLSTMState, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor, qq: Tensor, L: int
     ) -> tuple[Tensor, MLSTMState]:
-        b, H, T, dk = kk.shape
+        """Consume n new tokens from ``state``, reading query j right after new token j
+        (qq [b,h,n,dk]), in chunks of L: each chunk's reads are a causal L x L block against the state
+        at the chunk's start, and every chunk-start state comes from one small [nc+1, nc+1] log-weight
+        matrix over the initial state and the chunks' local states (no loop over chunks). O(n * L)
+        memory. Returns (h [b,h,n,dv], state after all n tokens)."""
+        b, H, n, dk = kk.shape
         dv = vv.shape[-1]
-        nmain = max(T - window, 0)  # tokens 0..nmain-1 are read at step t + window <= T-1
-        # query read at step s is the token s - window (zeros for s < window: discarded)
-        Qs = torch.cat([qq.new_zeros(b, H, T - nmain, dk), qq[:, :, :nmain]], dim=2)
-        nc = -(-T // L)
-        pad = nc * L - T
+        C0, n0, m0 = state
+        nc = -(-n // L)
+        pad = nc * L - n
         if pad:  # padding steps are identity updates (i = -inf, log f = 0)
             kk = F.pad(kk, (0, 0, 0, pad))
             vv = F.pad(vv, (0, 0, 0, pad))
-            Qs = F.pad(Qs, (0, 0, 0, pad))
+            qq = F.pad(qq, (0, 0, 0, pad))
             ig = F.pad(ig, (0, pad), value=_NEG_INF)
             logf = F.pad(logf, (0, pad))
         kk = kk.reshape(b, H, nc, L, dk)
         vv = vv.reshape(b, H, nc, L, dv)
-        Qs = Qs.reshape(b, H, nc, L, dk)
+        qq = qq.reshape(b, H, nc, L, dk)
         ig = ig.reshape(b, H, nc, L)
         Fl = logf.reshape(b, H, nc, L).cumsum(-1)  # within-chunk cumulative log forget
         G = Fl[..., -1]  # [b, H, nc] total log decay of each chunk
@@ -390,26 +399,35 @@ class KVpopMLSTM(BaseScorer):
         a = G.unsqueeze(-1) - Fl + ig
         mloc = a.amax(-1)
         Cloc, nloc = _absorb(a, mloc, kk, vv)  # [b, H, nc, dk, dv], [b, H, nc, dk]
-        # states at every chunk start (and the final state) in one shot, no loop over chunks:
-        # chunk j's local state enters the state at the start of chunk c (j < c) with log weight
-        # A[c, j] = (G_{j+1} + ... + G_{c-1}) + mloc_j; rows stabilised by their max (= m).
+        # the state at every chunk start c = 0..nc (nc: the final state): the initial state enters
+        # with log weight (G_0 + ... + G_{c-1}) + m0, chunk j < c with (G_{j+1} + ... + G_{c-1}) + mloc_j;
+        # rows are stabilised by their max (= m; -inf = empty state)
         Gc = F.pad(G.double().cumsum(-1), (1, 0))  # Gc[c] = G_0 + ... + G_{c-1}, c = 0..nc
         A = (Gc[..., :, None] - Gc[..., None, 1:]).to(mloc.dtype) + mloc.unsqueeze(-2)  # [b,H,nc+1,nc]
         A = A.masked_fill(~torch.ones(nc + 1, nc, dtype=torch.bool, device=kk.device).tril(-1), _NEG_INF)
-        mst = A.amax(-1)  # [b, H, nc+1]; -inf = empty state
+        A = torch.cat([(Gc.to(m0.dtype) + m0.unsqueeze(-1)).unsqueeze(-1), A], -1)  # [b,H,nc+1,1+nc]
+        mst = A.amax(-1)
         Wc = torch.exp(A - mst.masked_fill(torch.isneginf(mst), 0.0).unsqueeze(-1))
-        Cst = torch.einsum("bhcj,bhjkv->bhckv", Wc, Cloc)  # [b, H, nc+1, dk, dv]
-        nst = torch.einsum("bhcj,bhjk->bhck", Wc, nloc)
+        Cst = torch.einsum("bhcj,bhjkv->bhckv", Wc[..., 1:], Cloc) + Wc[..., 0, None, None] * C0.unsqueeze(2)
+        nst = torch.einsum("bhcj,bhjk->bhck", Wc[..., 1:], nloc) + Wc[..., 0, None] * n0.unsqueeze(2)
         final = MLSTMState(Cst[:, :, nc], nst[:, :, nc], mst[:, :, nc])
-        parts = []
-        if nmain > 0:
-            Cp, np_, mp = Cst[:, :, :nc], nst[:, :, :nc], mst[:, :, :nc]
-            D = Fl.unsqueeze(-1) - Fl.unsqueeze(-2) + ig.unsqueeze(-2)  # [b, H, nc, L, L]
-            causal = torch.ones(L, L, dtype=torch.bool, device=kk.device).tril()
-            D = D.masked_fill(~causal, _NEG_INF)
-            inter = Fl + mp.unsqueeze(-1)
-            hs = _attend(Qs, kk, vv, D, inter, Cp, np_).reshape(b, H, nc * L, dv)
-            parts.append(hs[:, :, window : window + nmain])
+        D = Fl.unsqueeze(-1) - Fl.unsqueeze(-2) + ig.unsqueeze(-2)  # [b, H, nc, L, L]
+        D = D.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=kk.device).tril(), _NEG_INF)
+        inter = Fl + mst[:, :, :nc].unsqueeze(-1)
+        h = _attend(qq, kk, vv, D, inter, Cst[:, :, :nc], nst[:, :, :nc])
+        return h.reshape(b, H, nc * L, dv)[:, :, :n], final
+
+    def _chunkwise(
+        self, kk: Tensor, vv: Tensor, ig: Tensor, logf: Tensor, qq: Tensor, window: int, L: int
+    ) -> tuple[Tensor, MLSTMState]:
+        """Every token read at its exit step t + window from the empty state (``forward``)."""
+        b, H, T, dk = kk.shape
+        nmain = max(T - window, 0)  # tokens 0..nmain-1 are read at step t + window <= T-1
+        # query read at step s is the token s - window (zeros for s < window: discarded)
+        Qs = torch.cat([qq.new_zeros(b, H, T - nmain, dk), qq[:, :, :nmain]], dim=2)
+        empty = MLSTMState(kk.new_zeros(b, H, dk, vv.shape[-1]), kk.new_zeros(b, H, dk), kk.new_full((b, H), _NEG_INF))
+        hs, final = self._chunk_scan(empty, kk, vv, ig, logf, Qs, L)
+        parts = [hs[:, :, window : window + nmain]] if nmain > 0 else []
         if nmain < T:  # tokens whose exit step lies beyond the sequence: final state
             parts.append(mlstm_read(final, qq[:, :, nmain:]))
         return torch.cat(parts, dim=2), final
@@ -443,7 +461,7 @@ class KVpopMLSTM(BaseScorer):
             return (s, self.init_state(b, k.device)) if return_state else s
         p = self._project(k, v)
         kk, vv, ig, logf = self._split_new(p)
-        qq, u = self._split_read(p, extra=extra)
+        qq, u = self._split_read(p[..., self._read_cols], extra=extra)
         ig, logf = self._apply_mask(ig, logf, mask)
         if mode == "chunkwise":
             h, state = self._chunkwise(kk, vv, ig, logf, qq, window, int(chunk_size or self.chunk_size))
@@ -476,7 +494,7 @@ class KVpopMLSTM(BaseScorer):
         self._check_state(state, k.shape[0])
         if k.shape[2] == 0:
             return state
-        kk, vv, ig, logf = self._split_new(self._project(k, v), state.C.dtype)
+        kk, vv, ig, logf = self._split_new(self._project(k, v, self._new_cols), state.C.dtype)
         if k.shape[2] == 1:
             return self._update1(state, kk, vv, ig, logf, mask)
         ig, logf = self._apply_mask(ig, logf, mask)
@@ -486,7 +504,7 @@ class KVpopMLSTM(BaseScorer):
         """Scores [b, h, n] of (exiting) tokens k, v [b, h, n, d] against the current state."""
         self._check_kv(k, v)
         self._check_state(state, k.shape[0])
-        qq, u = self._split_read(self._project(k, v), state.C.dtype, extra)
+        qq, u = self._split_read(self._project(k, v, self._read_cols), state.C.dtype, extra)
         return self._head(mlstm_read(state, qq), u)
 
     def step_and_read(
@@ -501,7 +519,7 @@ class KVpopMLSTM(BaseScorer):
         query_block: int = 512,
         extra: Tensor | None = None,
     ) -> tuple[MLSTMState, Tensor]:
-        """Consume n new tokens and score m tokens, in one call (one fused projection).
+        """Consume n new tokens and score m tokens, in one call.
 
         read_steps: None -> every read after all new tokens (decode: n = m = 1); else [m] or
         [b, m] ints in [-1, n-1]: read j happens right after new token read_steps[j] (-1: before
@@ -511,10 +529,9 @@ class KVpopMLSTM(BaseScorer):
         self._check_kv(k_read, v_read)
         b, _, n, _ = k_new.shape
         self._check_state(state, b)
-        p = self._project(torch.cat([k_new, k_read.to(k_new.dtype)], 2), torch.cat([v_new, v_read.to(v_new.dtype)], 2))
         dt = state.C.dtype
-        kk, vv, ig, logf = self._split_new(p[:, :, :n], dt)
-        qq, u = self._split_read(p[:, :, n:], dt, extra)
+        kk, vv, ig, logf = self._split_new(self._project(k_new, v_new, self._new_cols), dt)
+        qq, u = self._split_read(self._project(k_read, v_read, self._read_cols), dt, extra)
         if read_steps is None:
             if n == 1:
                 state = self._update1(state, kk, vv, ig, logf, mask)
@@ -532,7 +549,11 @@ class KVpopMLSTM(BaseScorer):
             if m_reads and (int(rs.min()) < -1 or int(rs.max()) > n - 1):
                 raise ValueError("read_steps must lie in [-1, n-1]")
             ig, logf = self._apply_mask(ig, logf, mask)
-            h, state = self._scan(state, kk, vv, ig, logf, qq, rs, query_block)
+            if m_reads == n > 1 and bool((rs == torch.arange(n, device=rs.device)).all()):
+                # read j right after new token j (the prefill chunk's exits): the chunkwise form
+                h, state = self._chunk_scan(state, kk, vv, ig, logf, qq, min(self.chunk_size, self.prefill_block))
+            else:
+                h, state = self._scan(state, kk, vv, ig, logf, qq, rs, query_block)
         return state, self._head(h, u)
 
     def extra_repr(self) -> str:
