@@ -170,7 +170,7 @@ class KVpopMLSTM(BaseScorer):
     """
 
     is_stateful = True
-    prefill_block = 32
+    prefill_block = 32  # a prefill piece reads its exits in causal blocks of this many (fastest on CPU)
 
     def __init__(
         self,
