@@ -109,19 +109,14 @@ def main(argv: list[str] | None = None) -> int:
             cache = kvpop.make_cache(model, policy, budget=args.budget)
             with torch.no_grad():
                 model(torch.tensor([ids]), **cache_kwargs(cache), logits_to_keep=1)
-            held = [layer.held_indices()[0] for layer in cache.layers]  # [h, B] per layer
-            pairs = sum(h.shape[0] for h in held)
+            held = torch.cat([layer.held_indices()[0] for layer in cache.layers])  # [(layer, head), B]
             out = []
             for nd in needles:
                 rec = {"key": nd["key"], "value": nd["value"], "asked": nd["asked"]}
                 for name, toks in nd["tokens"].items():
-                    per_tok = [sum(int((h == t).any(-1).sum()) for h in held) / pairs for t in toks]
-                    rec[f"{name}_tokens"] = per_tok
-                    rec[f"{name}_all"] = (
-                        sum(int(torch.stack([(h == t).any(-1) for t in toks]).all(0).sum()) for h in held) / pairs
-                        if toks
-                        else None
-                    )
+                    holds = torch.stack([(held == t).any(-1) for t in toks]) if toks else None  # [token, pair]
+                    rec[f"{name}_tokens"] = holds.float().mean(1).tolist() if toks else []
+                    rec[f"{name}_all"] = holds.all(0).float().mean().item() if toks else None
                 out.append(rec)
             rows.append({"case": case.item_id, "policy": policy, "needles": out, "seconds": time.perf_counter() - t0})
             line = "  ".join(

@@ -425,8 +425,7 @@ class KVpopMLSTM(BaseScorer):
         nmain = max(T - window, 0)  # tokens 0..nmain-1 are read at step t + window <= T-1
         # query read at step s is the token s - window (zeros for s < window: discarded)
         Qs = torch.cat([qq.new_zeros(b, H, T - nmain, dk), qq[:, :, :nmain]], dim=2)
-        empty = MLSTMState(kk.new_zeros(b, H, dk, vv.shape[-1]), kk.new_zeros(b, H, dk), kk.new_full((b, H), _NEG_INF))
-        hs, final = self._chunk_scan(empty, kk, vv, ig, logf, Qs, L)
+        hs, final = self._chunk_scan(self.init_state(b, kk.device, kk.dtype), kk, vv, ig, logf, Qs, L)
         parts = [hs[:, :, window : window + nmain]] if nmain > 0 else []
         if nmain < T:  # tokens whose exit step lies beyond the sequence: final state
             parts.append(mlstm_read(final, qq[:, :, nmain:]))
