@@ -452,6 +452,53 @@ def test_windows_per_sequence_keeps_a_smaller_store_and_budgets_follow_the_windo
         )
 
 
+def test_a_run_over_part_of_a_stores_budget_range_trains_at_the_stores_windows(tmp_path, docs):
+    """A store captured for budgets 12..48 (two windows per sequence) serves a run over 14..30: the run
+    trains at the store's windows its range reaches, reads only those, and records that grid; a range
+    that some sequence holds no window for is refused before training."""
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    kw = {"window": None, "windows_per_sequence": 2, "val_docs": 0}
+    store = str(tmp_path / "store")
+    train(
+        _cfg(tmp_path / "cap", docs, store=store, capture_only=True, budget_range=(12, 48), steps=5, **kw), model, tok
+    )
+    run = _cfg(tmp_path / "run", docs, scorer="mlp", store=store, steps=5, budget_range=(14, 30), **kw)
+    own = run.window_grid()
+    assert own != (6, 8, 12, 17, 24)  # its own grid is not the store's: refused before the option existed
+    summary = train(run, model, tok)
+    assert run.window_grid() == (6, 8, 12, 17)  # 7..15, within 2 ** (1/4) of the store's windows
+    full = _cfg(tmp_path / "x", docs, budget_range=(12, 48), **kw)
+    for h in summary["history"]:
+        ev = run.grid_eviction(h["budget"])
+        assert 14 <= h["budget"] <= 30 and ev.window in set(full.sequence_windows(h["step"] - 1)) & set(
+            run.window_grid()
+        )
+    _, meta = load_scorer(tmp_path / "run" / "scorer.safetensors", model=model)
+    assert meta["trained_for"]["window_grid"] == [6, 8, 12, 17] and meta["trained_for"]["budget_range"] == [14, 30]
+    with pytest.raises(ValueError, match="sequence 0 keeps none of the windows"):  # 17, 24: not in seq 0's 6, 12
+        train(
+            _cfg(tmp_path / "narrow", docs, scorer="mlp", store=store, steps=1, budget_range=(40, 48), **kw), model, tok
+        )
+    with pytest.raises(ValueError, match=r"budget_range \(6, 48\) needs windows 3..24"):  # below the store's grid
+        train(_cfg(tmp_path / "low", docs, scorer="mlp", store=store, steps=1, budget_range=(6, 48), **kw), model, tok)
+    with pytest.raises(ValueError, match="holds 2 windows per sequence of the grid"):  # a fixed window: refused
+        train(
+            _cfg(
+                tmp_path / "fixed",
+                docs,
+                scorer="mlp",
+                store=store,
+                steps=1,
+                budgets=(20,),
+                window=6,
+                windows_per_sequence=2,
+                val_docs=0,
+            ),
+            model,
+            tok,
+        )
+
+
 def test_validation_baseline_is_shared_through_a_cache_folder(tmp_path, docs, monkeypatch):
     """--val-cache: the dense and StreamingLLM validation runs are computed once per sweep, and a run
     reading them back measures the same numbers."""

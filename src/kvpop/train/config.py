@@ -81,6 +81,16 @@ class RunSettings:
         return {f.name for f in fields(cls)}
 
 
+def rotating_windows(grid, m: int, j: int) -> tuple[int, ...]:
+    """The ``m`` windows of ``grid`` sequence ``j`` carries: spread over it and rotating with ``j``
+    (grid[j], grid[j + n/m], ... mod n), so consecutive sequences cover the grid (``m <= 0``: all)."""
+    grid = tuple(grid)
+    if m <= 0 or m >= len(grid):
+        return grid
+    stride = len(grid) / m
+    return tuple(sorted({grid[(j + int(i * stride)) % len(grid)] for i in range(m)}))
+
+
 @dataclass
 class TrainConfig(RunSettings):
     """A scorer training run (LLM frozen). See ``kvpop train --help`` for each field."""
@@ -152,6 +162,7 @@ class TrainConfig(RunSettings):
             self.val_seq_len = self.seq_len
         self.observed = tuple(None if o is None else int(o) for o in self.observed)
         self.extra_windows = tuple(int(w) for w in self.extra_windows)
+        self.store_grid: tuple[int, ...] = ()  # set by use_store_grid: the windows a capture store fixes
 
     # --- derived ------------------------------------------------------------------------
     @property
@@ -174,12 +185,34 @@ class TrainConfig(RunSettings):
     def window_grid(self) -> tuple[int, ...]:
         """The windows a budget-range run trains at: ``windows_per_octave`` per doubling, log-spaced from
         the window of the smallest budget to that of the largest (``budgets`` runs: their own windows)."""
+        if self.store_grid:
+            return self.store_grid
         rule = self.rule()
         if self.budget_range is None or self.window is not None:
             return tuple(sorted({rule.window_at(b, self.sinks) for b in self.budgets}))
         lo, hi = (rule.window_at(b, self.sinks) for b in self.budget_range)
         n = max(1, round(math.log2(hi / lo) * self.windows_per_octave))
         return tuple(sorted({round(lo * (hi / lo) ** (i / n)) for i in range(n + 1)}))
+
+    def use_store_grid(self, store_grid) -> None:
+        """Train at the windows of a capture store's grid that this run's budget range reaches, so a
+        store captured for a wide range also serves a run over part of it (a small-budget scorer, say).
+
+        The store's windows between those of the range's ends, each end within the tolerance
+        :meth:`step_eviction` allows (``2 ** (1 / (2 * windows_per_octave))``) of a store window, so
+        every budget of the range still trains at a window near the one inference gives it."""
+        if self.budget_range is None or self.window is not None:
+            raise ValueError("only a budget-range run (no fixed window) can train at a store's window grid")
+        self.store_grid = ()
+        own = self.window_grid()
+        tol = 2 ** (1 / (2 * self.windows_per_octave))
+        grid = tuple(w for w in sorted(store_grid) if own[0] / tol <= w <= own[-1] * tol)
+        if not grid or grid[0] > own[0] * tol or grid[-1] < own[-1] / tol:  # every budget needs a window near its own
+            raise ValueError(
+                f"budget_range {self.budget_range} needs windows {own[0]}..{own[-1]}; "
+                f"the capture store has {sorted(store_grid)}"
+            )
+        self.store_grid = grid
 
     def windows(self) -> tuple[int, ...]:
         """Every protected window the run trains at (the capture computes targets for each)."""
@@ -192,12 +225,7 @@ class TrainConfig(RunSettings):
     def sequence_windows(self, j: int) -> tuple[int, ...]:
         """The windows sequence ``j`` carries targets for: all of the grid, or ``windows_per_sequence`` of
         them spread over it and rotating with ``j`` (sequence j holds grid[j], grid[j + n/m], ...)."""
-        grid = self.window_grid()
-        m = self.windows_per_sequence
-        if m <= 0 or m >= len(grid):
-            return grid
-        stride = len(grid) / m
-        return tuple(sorted({grid[(j + int(i * stride)) % len(grid)] for i in range(m)}))
+        return rotating_windows(self.window_grid(), self.windows_per_sequence, j)
 
     def step_eviction(self, step: int, windows=None) -> EvictionConfig:
         """The budget and split of training step ``step`` (deterministic per seed and step).

@@ -28,7 +28,7 @@ from .. import data
 from ..capture import collect
 from ..checkpoint import fingerprint_diff, model_fingerprint
 from ..files import atomic_write
-from .config import TrainConfig
+from .config import TrainConfig, rotating_windows
 
 STORE_FORMAT = "kvpop-capture-store-v1"
 
@@ -182,17 +182,14 @@ class CaptureStore:
             keys = ["format", "fingerprint", "data", "sinks", "target_power"] + (
                 ["obs_windows"] if cfg.observed else []
             )
-            if have["windows_per_sequence"] and have["windows"] != self.meta["windows"]:
-                raise ValueError(
-                    f"capture store {self.folder} holds {have['windows_per_sequence']} windows per "
-                    f"sequence of the grid {have['windows']}; this run's grid is {self.meta['windows']}"
-                )
             if have["windows_per_sequence"] != cfg.windows_per_sequence:
                 raise ValueError(
                     f"capture store {self.folder} holds {have['windows_per_sequence'] or 'all'} windows "
                     f"per sequence; this run asks for {cfg.windows_per_sequence or 'all'} "
                     "(--windows-per-sequence)"
                 )
+            if have["windows_per_sequence"] and have["windows"] != self.meta["windows"]:
+                self.adopt_grid(have, cfg)
 
             def same(key: str) -> bool:  # a fingerprint field the store predates is not a mismatch
                 if key == "fingerprint":
@@ -217,18 +214,35 @@ class CaptureStore:
             self.folder.mkdir(parents=True, exist_ok=True)
             atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(self.meta, indent=1)))
 
+    def adopt_grid(self, have: dict, cfg: TrainConfig) -> None:
+        """A run whose grid differs from the store's (which keeps a few windows per sequence) trains at
+        the store's windows in its budget range, if every sequence keeps one of them; else refused."""
+        grid, m = have["windows"], have["windows_per_sequence"]
+        refusal = (
+            f"capture store {self.folder} holds {m} windows per sequence of the grid {grid}; "
+            f"this run's grid is {self.meta['windows']}"
+        )
+        if cfg.budget_range is None or cfg.window is not None or cfg.extra_windows:
+            raise ValueError(refusal)
+        try:
+            cfg.use_store_grid(grid)
+        except ValueError as e:
+            raise ValueError(f"{refusal}: {e}") from None
+        self.meta["windows"] = list(cfg.capture_windows())
+        for j in range(len(grid)):  # the rotation repeats after len(grid) sequences
+            if not set(rotating_windows(grid, m, j)) & set(cfg.store_grid):
+                raise ValueError(
+                    f"{refusal}: sequence {j} keeps none of the windows {list(cfg.store_grid)} "
+                    "that budget_range reaches; widen --budget-range"
+                )
+
     @property
     def windows(self) -> list[int]:
         return list(self.meta["windows"])
 
     def sequence_windows(self, j: int) -> tuple[int, ...]:
         """The windows the store keeps for sequence ``j`` (see ``TrainConfig.sequence_windows``)."""
-        grid = self.windows
-        m = self.meta.get("windows_per_sequence") or 0
-        if m <= 0 or m >= len(grid):
-            return tuple(grid)
-        stride = len(grid) / m
-        return tuple(sorted({grid[(j + int(i * stride)) % len(grid)] for i in range(m)}))
+        return rotating_windows(self.windows, self.meta.get("windows_per_sequence") or 0, j)
 
     @property
     def obs_windows(self) -> tuple:
@@ -284,7 +298,10 @@ def stored_tensors(ex: Example) -> dict[str, Tensor]:
 def example_for(j: int, source: SequenceSource, store: CaptureStore | None, model, cfg: TrainConfig) -> Example:
     """Sequence ``j``'s capture with the targets of its windows (``cfg.sequence_windows(j)``): from the
     store, or captured now (and stored, with a store)."""
-    windows = cfg.sequence_windows(j)
+    if store is None:
+        windows = cfg.sequence_windows(j)
+    else:  # the store's rotation, less the windows a run over part of its grid does not train at
+        windows = tuple(w for w in store.sequence_windows(j) if w in cfg.windows())
     if store is not None and store.has(j):
         return store.load(j, windows, observed=bool(cfg.observed))
     corpus, ids = source.get(j)
