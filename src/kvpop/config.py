@@ -436,7 +436,8 @@ def settings_note(ev: EvictionConfig, trained: TrainedSettings, source: str = "t
         lo, hi = trained.budget_range
         advice.append(
             ("the window is still what its training rule gives at this B, but " if not chosen else "")
-            + f"it never saw a budget outside {lo}..{hi}"
+            + f"it never saw a budget outside {lo}..{hi}; `kvpop train --budget-range` over a range "
+            "holding this B trains one that did (docs/training.md)"
         )
     return (
         f"{source} was not trained for "

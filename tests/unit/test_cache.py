@@ -324,7 +324,9 @@ def test_learned_policy_defaults_to_its_trained_window_and_lam_and_warns_on_othe
     assert c.eviction.window == 32
     # the advice fits the cause: nothing to unset when only the budget is outside the range
     (msg,) = [str(w.message) for w in rec if w.category is ScorerSettingsWarning]
-    assert "leave window/lam unset" not in msg and "never saw a budget outside 24..48" in msg
+    assert (
+        "leave window/lam unset" not in msg and "never saw a budget outside 24..48" in msg and "--budget-range" in msg
+    )
     with pytest.warns(ScorerSettingsWarning, match="leave window/lam unset"):
         KVpopCache(model.config, budget=24, window=3, policy=pol)
     # heuristics: the library defaults (B / 2, lam 0)
