@@ -222,9 +222,9 @@ class CaptureStore:
             f"capture store {self.folder} holds {m} windows per sequence of the grid {grid}; "
             f"this run's grid is {self.meta['windows']}"
         )
-        if cfg.budget_range is None or cfg.window is not None or cfg.extra_windows:
+        if cfg.extra_windows:  # a run that captures more windows cannot read them from this store
             raise ValueError(refusal)
-        try:
+        try:  # use_store_grid refuses a run without a budget range or with a fixed window
             cfg.use_store_grid(grid)
         except ValueError as e:
             raise ValueError(f"{refusal}: {e}") from None
@@ -298,10 +298,12 @@ def stored_tensors(ex: Example) -> dict[str, Tensor]:
 def example_for(j: int, source: SequenceSource, store: CaptureStore | None, model, cfg: TrainConfig) -> Example:
     """Sequence ``j``'s capture with the targets of its windows (``cfg.sequence_windows(j)``): from the
     store, or captured now (and stored, with a store)."""
-    if store is None:
+    stored = store.sequence_windows(j) if store is not None else None
+    if stored is None:
         windows = cfg.sequence_windows(j)
     else:  # the store's rotation, less the windows a run over part of its grid does not train at
-        windows = tuple(w for w in store.sequence_windows(j) if w in cfg.windows())
+        run = set(cfg.windows())
+        windows = tuple(w for w in stored if w in run)
     if store is not None and store.has(j):
         return store.load(j, windows, observed=bool(cfg.observed))
     corpus, ids = source.get(j)
@@ -309,7 +311,7 @@ def example_for(j: int, source: SequenceSource, store: CaptureStore | None, mode
     ex = capture_example(
         model,
         ids.view(1, -1),
-        store.sequence_windows(j) if store else windows,
+        windows if stored is None else stored,
         cfg.sinks,
         obs,
         [corpus],
