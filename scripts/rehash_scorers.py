@@ -1,15 +1,18 @@
-"""Record the right scorer hashes in ``kvpop eval`` / ``kvpop eval tasks`` folders of a non-default model.
+"""Bring ``kvpop eval`` / ``kvpop eval tasks`` folders up to the scorers shipped now, keeping the records
+that are still right.
 
-Until this release the fingerprint of an evaluation folder hashed the *default* model's shipped scorer
-for a learned policy given no ``--scorer``, although the policy ran the scorer shipped for the model
-evaluated (on Qwen2.5-Coder-0.5B, Qwen's). Such a folder is refused on resume now (its recorded hash is
-not that of the file the policy reads). This rewrites the hash of every learned policy recorded without
-a path to the one of the scorer shipped for the folder's model, read from its ``run.json``:
+An evaluation folder fingerprints the shipped scorers a learned policy given no ``--scorer`` reads (all of
+them for the folder's model: the default and any shipped beside it for other budgets). When a scorer for
+other budgets ships beside the default, every earlier folder is refused on resume, although most of its
+records were made by the default at budgets where the default still serves. This keeps those: for each
+learned policy recorded without a path, a record stays when the file the policy reads at the record's
+budget now (:func:`kvpop.checkpoint.default_scorer_path`) has the sha256 the folder recorded (the bytes the
+record was made with); every other record of that policy moves to ``records/stale/`` (kept, never read), so
+rerunning the folder's command computes exactly those again. Then the folder records the hash of today's
+set. A folder made with a scorer that no longer ships is left alone, as the record of that scorer.
+``run.json`` and each records file are replaced atomically.
 
-    python scripts/rehash_scorers.py results/qwen/tasks-ruler results/qwen/grid4k-learned
-
-Only do this for folders whose records were made with the scorer shipped now (the shipped file did not
-change since); ``run.json`` is replaced atomically.
+    python scripts/rehash_scorers.py results/qwen/tasks-humaneval-b55 results/qwen/tasks-ruler-vt
 """
 
 from __future__ import annotations
@@ -18,38 +21,64 @@ import argparse
 import json
 from pathlib import Path
 
-from kvpop.evaluate.harness import file_sha256, shipped_scorer_file
+from kvpop.checkpoint import default_scorer_path, shipped_scorers
+from kvpop.evaluate.harness import file_sha256, shipped_scorers_sha256
+from kvpop.evaluate.store import RECORDS_DIR, RUN_FILE
 from kvpop.files import atomic_write
 from kvpop.policies import ALIAS, KIND_TO_POLICY
 
 
-def rehash_folder(folder: Path) -> list[str]:
-    """Rewrite ``folder/run.json``; returns the policies whose hash changed."""
+def _write_lines(path: Path, lines: list[str]) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text("".join(line + "\n" for line in lines)))
+
+
+def rehash_folder(folder: Path) -> dict[str, int]:
+    """Rewrite ``folder``; returns ``{policy: records set aside}`` for each policy whose hash changed."""
     from transformers import AutoConfig
 
-    run = folder / "run.json"
+    run = folder / RUN_FILE
     if not run.is_file():
-        raise SystemExit(f"{folder}: no run.json (not a kvpop eval output folder)")
+        raise SystemExit(f"{folder}: no {RUN_FILE} (not a kvpop eval output folder)")
     doc = json.loads(run.read_text())
     fp = doc.get("fingerprint", doc)
     config = AutoConfig.from_pretrained(fp["model"], local_files_only=True)
     kw = fp.get("policy_kwargs") or {}
-    changed = []
+    stale_policies, changed = {}, {}
     for kind, policy in KIND_TO_POLICY.items():
         entry = kw.get(policy)
         if not isinstance(entry, dict) or "path" in entry or "sha256" not in entry:
             continue
-        path = shipped_scorer_file(config, kind)
-        if path is None:
+        now = shipped_scorers_sha256(config, kind)
+        if now is None or entry["sha256"] == now:
             continue
-        digest = file_sha256(path)
-        if entry["sha256"] != digest:
-            for name in (policy, ALIAS):
-                if kw.get(name) == entry:
-                    kw[name] = {**entry, "sha256": digest}
-            changed.append(policy)
-    if changed:
-        atomic_write(run, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1) + "\n"))
+        if entry["sha256"] not in {file_sha256(p) for p in shipped_scorers(kind, config)}:
+            continue  # made with a scorer that no longer ships: left as the record of that scorer
+        stale_policies[policy] = (kind, entry["sha256"])
+        changed[policy] = 0
+        for name in (policy, ALIAS):
+            if kw.get(name) == entry:
+                kw[name] = {**entry, "sha256": now}
+    if not changed:
+        return changed
+    for records in sorted((folder / RECORDS_DIR).glob("*.jsonl")):
+        keep, stale = [], []
+        for line in records.read_text().splitlines():
+            rec = json.loads(line) if line.strip() else {}
+            kind, recorded = stale_policies.get(rec.get("policy"), (None, None))
+            if kind is None:
+                keep.append(line)
+                continue
+            path = default_scorer_path(kind, config, budget=rec.get("budget"))
+            ok = file_sha256(path) == recorded
+            (keep if ok else stale).append(line)
+            changed[rec["policy"]] += not ok
+        if stale:
+            aside = folder / RECORDS_DIR / "stale" / records.name
+            aside.parent.mkdir(exist_ok=True)
+            before = aside.read_text().splitlines() if aside.is_file() else []
+            _write_lines(aside, before + stale)
+            _write_lines(records, keep)
+    atomic_write(run, lambda tmp: Path(tmp).write_text(json.dumps(doc, indent=1) + "\n"))
     return changed
 
 
@@ -59,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for folder in args.folders:
         changed = rehash_folder(folder)
-        print(f"{folder}: {', '.join(changed) if changed else 'already right'}")
+        said = ", ".join(f"{p} ({n} records set aside)" for p, n in changed.items())
+        print(f"{folder}: {said or 'already right'}")
     return 0
 
 

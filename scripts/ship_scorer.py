@@ -10,6 +10,10 @@ kvpop ship trained artefacts is refused) and writes
 <same>.summary.json: the training command, tokens seen (and unique tokens), wall time, the
 validation retention history and the boundary-decision diagnostics.
 
+``--beside-default`` ships it beside the model's default instead, as
+``<model>-<kind>-b<lo>-<hi>.safetensors`` (``lo..hi`` its training budget range): a cache whose budget lies
+outside the default's training range reads it (``kvpop.checkpoint.scorer_for_budget``).
+
 A run trained with ``--val-docs 0`` (chosen afterwards by ``kvpop eval --split validation``
 against the scorer that ships) has no best checkpoint: ``--checkpoint scorer.safetensors`` ships
 its last one, and ``--validation FILE`` records the report it was chosen on.
@@ -46,6 +50,11 @@ def main() -> None:
         default=None,
         help="the embedded model it was trained for (default: the run's --model, else the default model)",
     )
+    p.add_argument(
+        "--beside-default",
+        action="store_true",
+        help="ship it as the model's scorer for budgets outside its default's range (<model>-<kind>-b<lo>-<hi>)",
+    )
     args = p.parse_args()
     run = Path(args.run)
     summary = json.loads((run / "summary.json").read_text())
@@ -62,6 +71,13 @@ def main() -> None:
             f"ship_scorer: kvpop ships nothing trained on {model.title} ({model.licence}); see docs/models.md"
         )
     dest = ASSETS / f"{model.name}-{kind}.safetensors"
+    if args.beside_default:
+        budget_range = (summary.get("trained_for") or {}).get("budget_range")
+        if not budget_range:
+            raise SystemExit("ship_scorer: --beside-default needs a run trained with --budget-range")
+        if not dest.is_file():
+            raise SystemExit(f"ship_scorer: --beside-default: there is no default {dest.name} to ship it beside")
+        dest = ASSETS / f"{model.name}-{kind}-b{budget_range[0]}-{budget_range[1]}.safetensors"
     best = run / args.checkpoint
     if not best.is_file():
         raise SystemExit(

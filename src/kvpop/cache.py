@@ -495,6 +495,8 @@ class KVpopCache(Cache):
         policy = resolve_policy(policy, config=config, scorer=kwargs.get("scorer"), path=kwargs.get("path"))
         if isinstance(policy, str) and policy in LEARNED_POLICIES:
             kwargs.setdefault("config", config)  # a model loaded with an adapter bundle: its scorer
+            # the budget picks among the model's shipped scorers the one trained for it
+            kwargs.setdefault("budget", eviction.budget if eviction is not None else args.total)
         pol = get_policy(policy, **kwargs)
         self.eviction, self.policy = _eviction(config, pol, args, eviction), pol
         # not told: compile once a generation is long enough to pay for it; compile=True: from the first step

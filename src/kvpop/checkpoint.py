@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import attention_shape, text_config
+from .config import TrainedSettings, attention_shape, text_config
 from .files import atomic_write
 from .scorers import ScorerConfig, ScorerStack, build_scorer
 
@@ -233,32 +234,75 @@ def default_adapter_path() -> Path:
     return DEFAULT_ADAPTER
 
 
-def default_scorer_path(kind: str, config=None) -> Path:
-    """The shipped ``kind`` scorer for the model of ``config`` (None: the embedded default model).
+def shipped_scorers(kind: str, config=None) -> list[Path]:
+    """Every shipped ``kind`` scorer for the model of ``config`` (None: the embedded default model): its
+    default first, then those trained for other budget ranges.
 
-    Shipped scorers are the files ``assets/scorers/<model>-<kind>.safetensors``; the one whose recorded
-    config fingerprint matches ``config`` serves it, so a scorer shipped for another embedded model is
-    picked up by its file alone. No match is a :class:`ScorerMismatchError` that says what to do.
+    The default is ``assets/scorers/<model>-<kind>.safetensors``, the one whose recorded config fingerprint
+    matches ``config``, so a scorer shipped for another embedded model is picked up by its file alone; a
+    scorer for other budgets sits beside it as ``<model>-<kind>-b<lo>-<hi>.safetensors`` (its budget range
+    is read from its header, not its name). No default is a :class:`ScorerMismatchError` (or, for the
+    embedded model, ``FileNotFoundError``) that says what to do.
     """
     if kind not in DEFAULT_SCORERS:
         raise ValueError(f"scorer kind must be one of {sorted(DEFAULT_SCORERS)}, got {kind!r}")
     if config is None:
-        path = DEFAULT_SCORERS[kind]
-        if not path.is_file():
+        primary = DEFAULT_SCORERS[kind]
+        if not primary.is_file():
             raise FileNotFoundError(
-                f"no shipped {kind} scorer at {path}; train one with `kvpop train --kind {kind} --out DIR` "
+                f"no shipped {kind} scorer at {primary}; train one with `kvpop train --kind {kind} --out DIR` "
                 "and pass --scorer DIR/scorer.safetensors"
             )
-        return path
+        return [primary, *sorted(primary.parent.glob(f"{primary.stem}-b*-*.safetensors"))]
     want = config_fingerprint(config)
-    shipped = sorted(ASSETS.glob(f"*-{kind}.safetensors"))
-    for path in shipped:
+
+    def fits(path: Path) -> bool:
         recorded = read_header(path).get("meta", {}).get("fingerprint") or {}
-        if not fingerprint_diff({k: v for k, v in recorded.items() if k in want}, want):
-            return path
-    names = ", ".join(p.stem for p in shipped) or "none"
-    raise ScorerMismatchError(
-        f"no shipped {kind} scorer fits this model: the shipped ones ({names}) were trained for a different model "
-        f"(this one: {want['model_type']}, {want['num_layers']} layers, {want['kv_heads']} KV heads); train one "
-        "(docs/training.md) and pass --scorer, or use a heuristic policy (streaming, tova, h2o, snapkv)"
-    )
+        return not fingerprint_diff({k: v for k, v in recorded.items() if k in want}, want)
+
+    shipped = sorted(ASSETS.glob(f"*-{kind}.safetensors"))
+    primary = next((p for p in shipped if fits(p)), None)
+    if primary is None:
+        names = ", ".join(p.stem for p in shipped) or "none"
+        raise ScorerMismatchError(
+            f"no shipped {kind} scorer fits this model: the shipped ones ({names}) were trained for a different "
+            f"model (this one: {want['model_type']}, {want['num_layers']} layers, {want['kv_heads']} KV heads); "
+            "train one (docs/training.md) and pass --scorer, or use a heuristic policy (streaming, tova, h2o, snapkv)"
+        )
+    return [primary, *(p for p in sorted(ASSETS.glob(f"{primary.stem}-b*-*.safetensors")) if fits(p))]
+
+
+def trained_budget_range(path: str | os.PathLike) -> tuple[int, int] | None:
+    """The budgets a scorer checkpoint was trained over (from its header; None: it does not say)."""
+    trained = TrainedSettings.from_meta(read_header(path).get("meta", {}).get("trained_for"))
+    return None if trained is None else trained.budget_range
+
+
+def scorer_for_budget(paths: list[Path], budget: int | None) -> Path:
+    """Which of a model's shipped scorers (default first, :func:`shipped_scorers`) serves a cache of ``budget``.
+
+    The default, unless ``budget`` lies outside the budgets it was trained over: then the scorer trained
+    over the narrowest range that holds ``budget``, or, when none does, the one whose range is nearest
+    (in ratio). A scorer is only as good as the budgets it saw, and one trained on small budgets alone
+    keeps what a small cache needs better than one whose training spread over every budget."""
+    primary = paths[0]
+    if budget is None or len(paths) == 1:
+        return primary
+    ranges = {p: trained_budget_range(p) for p in paths}
+    if ranges[primary] is None or ranges[primary][0] <= budget <= ranges[primary][1]:
+        return primary
+
+    def distance(p: Path) -> tuple[float, float]:
+        lo, hi = ranges[p] or (0, 0)
+        if lo <= budget <= hi:
+            return 0.0, math.log(hi / lo)
+        return (math.inf if not lo else abs(math.log(budget / (lo if budget < lo else hi)))), 0.0
+
+    return min(paths, key=distance)  # min keeps the first (the default) on a tie
+
+
+def default_scorer_path(kind: str, config=None, budget: int | None = None) -> Path:
+    """The shipped ``kind`` scorer for the model of ``config`` (None: the embedded default model) at a cache
+    of ``budget`` slots per KV head (None: the model's default scorer): :func:`scorer_for_budget` over
+    :func:`shipped_scorers`."""
+    return scorer_for_budget(shipped_scorers(kind, config), budget)

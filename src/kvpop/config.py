@@ -224,6 +224,18 @@ class BudgetArgs:
         """Whether any of the keywords that size the cache is given (they exclude ``eviction=``)."""
         return any(v is not None for v in (self.budget, self.k, self.compression, self.reference_length, self.window))
 
+    @property
+    def total(self) -> int | None:
+        """``B`` as far as these arguments alone fix it (None: ``k`` without a window, whose ``B`` depends on
+        the window a learned scorer was trained with); what picks a shipped scorer for the budget."""
+        if self.budget is not None:
+            return self.budget
+        if self.compression is not None and self.reference_length is not None:
+            return budget_of_compression(self.compression, self.reference_length)
+        if self.k is not None and self.window is not None:
+            return self.sinks + self.window + self.k
+        return None
+
     @classmethod
     def pop_from(cls, kwargs: dict, budget: int | None = None) -> BudgetArgs:
         """The budget keywords taken out of ``kwargs`` (the rest stays: a policy's keywords)."""

@@ -173,3 +173,51 @@ def test_the_shipped_scorer_is_chosen_by_the_model(monkeypatch, tmp_path):
         checkpoint.default_scorer_path("mlstm", qwen.config)
     with pytest.raises(ScorerMismatchError, match=r"tiny-llama-mlp, tiny-qwen2-mlp\) were trained for a different"):
         checkpoint.default_scorer_path("mlp", tiny_config("qwen3"))
+
+
+def test_a_budget_outside_the_default_scorers_range_reads_the_shipped_scorer_trained_for_it(monkeypatch, tmp_path):
+    """A scorer shipped beside a model's default for other budgets (``<model>-<kind>-b<lo>-<hi>``) serves the
+    budgets outside the default's training range, however the cache's budget is stated and whichever way
+    the cache is made; inside that range, or with no budget, the default serves."""
+    from kvpop import checkpoint, make_cache
+    from kvpop.config import ScorerSettingsWarning
+    from kvpop.evaluate.grid import Settings
+    from kvpop.evaluate.harness import file_sha256, shipped_scorers_sha256
+
+    qwen, llama = tiny_model("qwen2"), tiny_model("llama")
+    monkeypatch.setattr(checkpoint, "ASSETS", tmp_path)
+
+    def ship(name, model, budget_range, seed):
+        torch.manual_seed(seed)
+        trained = {"budget_range": list(budget_range), "window_fraction": 0.5, "lam": 0.0}
+        meta = {"fingerprint": model_fingerprint(model), "trained_for": trained}
+        cfg = ScorerConfig(kind="mlp", num_layers=2, kv_heads=2, head_dim=16)
+        return save_scorer(build_scorer(cfg), tmp_path / f"{name}.safetensors", meta)
+
+    main = ship("tiny-qwen2-mlp", qwen, (64, 4096), 0)
+    assert shipped_scorers_sha256(qwen.config, "mlp") == file_sha256(main)  # one file: its own sha256
+    small = ship("tiny-qwen2-mlp-b24-48", qwen, (24, 48), 1)
+    ship("tiny-llama-mlp", llama, (8, 4096), 2)
+    ship("tiny-llama-mlp-b8-16", llama, (8, 16), 3)  # another model's: never Qwen's
+    assert checkpoint.shipped_scorers("mlp", qwen.config) == [main, small]
+    for budget, want in ((None, main), (64, main), (100, main), (5000, main), (48, small), (24, small), (12, small)):
+        assert checkpoint.default_scorer_path("mlp", qwen.config, budget=budget) == want, budget
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # at B = 32 the default would warn: it never saw a budget below 64
+        caches = [
+            make_cache(qwen, "kvpop-mlp", budget=32),
+            make_cache(qwen, "kvpop", budget=32),
+            KVpopCache(qwen.config, budget=32, policy="kvpop-mlp"),
+            KVpopCache(qwen.config, compression=0.75, reference_length=128, policy="kvpop-mlp"),
+            KVpopCache(qwen.config, k=12, window=16, policy="kvpop-mlp"),
+        ]
+    assert [c.budget for c in caches] == [32] * 5
+    assert {c.policy.source for c in caches} == {str(small)}
+    assert make_cache(qwen, "kvpop-mlp", budget=100).policy.source == str(main)
+    with pytest.warns(ScorerSettingsWarning, match="not trained for budget 32"):  # a file given: that file
+        assert make_cache(qwen, "kvpop-mlp", budget=32, path=main).policy.source == str(main)
+    # the evaluation resolves a policy per budget, and fingerprints the whole set
+    settings = Settings()
+    assert settings.policy(qwen, "kvpop-mlp", 32).source == str(small)
+    assert settings.policy(qwen, "kvpop-mlp", 100).source == str(main)
+    assert shipped_scorers_sha256(qwen.config, "mlp") not in (file_sha256(main), file_sha256(small), None)

@@ -323,13 +323,19 @@ def test_the_fingerprint_hashes_the_scorer_shipped_for_the_model_it_evaluates():
     from types import SimpleNamespace
 
     from kvpop.checkpoint import ASSETS, DEFAULT_SCORERS
-    from kvpop.evaluate.harness import content_kwargs, file_sha256, shipped_scorer_file
+    from kvpop.evaluate.harness import content_kwargs, file_sha256, shipped_scorer_file, shipped_scorers_sha256
     from kvpop.testing import embedded_config, tiny_model
 
     qwen = SimpleNamespace(config=embedded_config("qwen2.5-coder-0.5b"))
     for kind, policy in (("mlp", "kvpop-mlp"), ("mlstm", "kvpop-mlstm")):
         path = ASSETS / f"qwen2.5-coder-0.5b-{kind}.safetensors"
         assert shipped_scorer_file(qwen.config, kind) == path
-        assert content_kwargs(qwen, None)[policy]["sha256"] == file_sha256(path) != file_sha256(DEFAULT_SCORERS[kind])
+        digest = content_kwargs(qwen, None)[policy]["sha256"]
+        assert digest == shipped_scorers_sha256(qwen.config, kind) != file_sha256(DEFAULT_SCORERS[kind])
+    # the MLP for small budgets ships beside Qwen's default: the digest covers both files
+    main, small = (ASSETS / f"qwen2.5-coder-0.5b-mlp{s}.safetensors" for s in ("", "-b55-512"))
+    assert content_kwargs(qwen, None)["kvpop-mlp"]["sha256"] not in (file_sha256(small), file_sha256(main), None)
+    mlstm = ASSETS / "qwen2.5-coder-0.5b-mlstm.safetensors"
+    assert content_kwargs(qwen, None)["kvpop-mlstm"]["sha256"] == file_sha256(mlstm)  # one file: its own
     # a model no shipped scorer fits records no hash (its learned policies need --scorer)
     assert "kvpop-mlp" not in content_kwargs(tiny_model("qwen2"), None)

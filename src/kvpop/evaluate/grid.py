@@ -79,17 +79,18 @@ class Settings:
     reference_length: int = 4096
     budgets: tuple[int, ...] = ()  # every budget of the run (the oracle captures all windows at once)
     policy_kwargs: dict = field(default_factory=dict)
-    # policy instances, each made once per run: a learned scorer's checkpoint is read and the model's
-    # weights hashed once, not once per unit (a cache built from an instance does neither)
+    # policy instances by (name, budget), each made once per run: a learned scorer's checkpoint is read and
+    # the model's weights hashed once per budget, not once per unit (a cache built from an instance does neither)
     resolved: dict = field(default_factory=dict, repr=False, compare=False)
 
     def policy(self, model, name: str, budget: int) -> str | Policy:
-        """Policy ``name`` for :func:`kvpop.evaluate.core.build_cache`: the instance its first cache
-        resolved (with ``policy_kwargs[name]``), the name itself for dense and the oracle (built per item)."""
+        """Policy ``name`` for :func:`kvpop.evaluate.core.build_cache`: the instance its first cache at
+        ``budget`` resolved (with ``policy_kwargs[name]``; per budget, since the budget picks among a
+        model's shipped scorers), the name itself for dense and the oracle (built per item)."""
         if name in (DENSE, ORACLE) or policy_available(name) is not None:
             return name
-        if name not in self.resolved:
-            self.resolved[name] = build_cache(
+        if (name, budget) not in self.resolved:
+            self.resolved[name, budget] = build_cache(
                 model,
                 name,
                 budget,
@@ -98,7 +99,7 @@ class Settings:
                 lam=self.lam,
                 **self.policy_kwargs.get(name, {}),
             ).policy
-        return self.resolved[name]
+        return self.resolved[name, budget]
 
     def cache(self, model, name: str, budget: int | None, oracle=None):
         """The cache of policy ``name`` at ``budget`` under these settings (``None`` for dense): the instance

@@ -41,6 +41,7 @@ from ..checkpoint import (
     default_scorer_path,
     model_fingerprint,
     read_header,
+    shipped_scorers,
 )
 from ..config import EvictionConfig, TrainedSettings, resolve_eviction
 from ..data import SPLITS, list_corpora, load_documents, long_documents, read_user_documents
@@ -397,21 +398,38 @@ def shipped_scorer_file(config, kind: str) -> Path | None:
         return None
 
 
+def shipped_scorers_sha256(config, kind: str) -> str | None:
+    """One sha256 for every shipped ``kind`` scorer of a model of ``config`` (None: none fits): the file's own
+    when it is the only one, else a hash of each file's name and sha256 (a scorer for other budgets beside
+    the default, :func:`kvpop.checkpoint.shipped_scorers`). Which file a budget reads is the selection's, so
+    a change to any file of the set makes earlier results stale."""
+    try:
+        paths = shipped_scorers(kind, config)
+    except (ScorerMismatchError, FileNotFoundError):
+        return None
+    if len(paths) == 1:
+        return file_sha256(paths[0])
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(f"{p.name}:{file_sha256(p)};".encode())
+    return h.hexdigest()
+
+
 def content_kwargs(model, policy_kwargs: dict | None) -> dict:
-    """``policy_kwargs`` as strings, with the sha256 of the scorer file each learned policy reads (``path=``
-    or the one shipped for this model; every learned policy's, so the fingerprint does not depend on which
-    policies a run selects), and under the alias ``kvpop`` the entry of the policy it names on ``model``: a folder made
-    when ``kvpop`` named another scorer (before it was the model's default learned policy, it was the
-    mLSTM) is refused, not read as today's ``kvpop``. The fingerprints of ``kvpop eval`` and ``kvpop eval
-    tasks``."""
+    """``policy_kwargs`` as strings, with the sha256 of the scorer files each learned policy reads (``path=``,
+    or the set shipped for this model, :func:`shipped_scorers_sha256`; every learned policy's, so the
+    fingerprint does not depend on which policies a run selects), and under the alias ``kvpop`` the entry
+    of the policy it names on ``model``: a folder made when ``kvpop`` named another scorer (before it was
+    the model's default learned policy, it was the mLSTM) is refused, not read as today's ``kvpop``. The
+    fingerprints of ``kvpop eval`` and ``kvpop eval tasks``."""
     given = policy_kwargs or {}
     kwargs = {k: {a: str(b) for a, b in v.items()} for k, v in given.items()}
     for kind, policy in KIND_TO_POLICY.items():
         kw = given.get(policy) or {}
         if kw.get("scorer") is not None:  # a scorer in memory: no file
             continue
-        path = kw.get("path") or shipped_scorer_file(getattr(model, "config", None), kind)
-        digest = None if path is None else file_sha256(path)
+        path = kw.get("path")
+        digest = file_sha256(path) if path else shipped_scorers_sha256(getattr(model, "config", None), kind)
         if digest is not None:
             kwargs[policy] = {**kwargs.get(policy, {}), FILE_HASH_KEY: digest}
     default = default_policy(model)

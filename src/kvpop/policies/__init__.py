@@ -22,10 +22,10 @@ from .streaming import StreamingPolicy
 from .tova import TovaPolicy
 
 
-def _default_learned(scorer=None, path=None, model=None, config=None) -> Policy:
+def _default_learned(scorer=None, path=None, model=None, config=None, budget=None) -> Policy:
     """Factory registered as the alias ``kvpop``: the learned policy :func:`resolve_policy` picks."""
     name = resolve_policy(ALIAS, model, config, scorer=scorer, path=path)
-    return POLICIES[name](scorer=scorer, path=path, model=model, config=config)
+    return POLICIES[name](scorer=scorer, path=path, model=model, config=config, budget=budget)
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {

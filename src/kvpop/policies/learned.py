@@ -257,10 +257,14 @@ def learned_policy_factory(kind: str):
     ``scorer=`` choose another scorer explicitly.
 
     ``model=``: also check the checkpoint's weight hash against it (the config part is checked
-    by every cache the policy is used in).
+    by every cache the policy is used in). ``budget=``: the budget of the cache it is for, which picks among
+    the model's shipped scorers the one trained for it (:func:`kvpop.checkpoint.scorer_for_budget`; None:
+    the model's default scorer).
     """
 
-    def make(scorer: ScorerStack | None = None, path=None, model=None, config=None) -> LearnedPolicy:
+    def make(
+        scorer: ScorerStack | None = None, path=None, model=None, config=None, budget: int | None = None
+    ) -> LearnedPolicy:
         from ..checkpoint import default_scorer_path, load_scorer
 
         fingerprint = source = trained = None
@@ -276,7 +280,9 @@ def learned_policy_factory(kind: str):
                     )
                 return LearnedPolicy(bundled, source=f"{folder} (adapter bundle)", trained_for=trained)
         if scorer is None:
-            path = path or default_scorer_path(kind, config if config is not None else getattr(model, "config", None))
+            path = path or default_scorer_path(
+                kind, config if config is not None else getattr(model, "config", None), budget=budget
+            )
             scorer, meta = load_scorer(path, model=model)
             fingerprint, source, trained = meta.get("fingerprint"), str(path), meta.get("trained_for")
         if scorer.config.kind != kind:
