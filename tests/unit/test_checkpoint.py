@@ -216,6 +216,11 @@ def test_a_budget_outside_the_default_scorers_range_reads_the_shipped_scorer_tra
     assert make_cache(qwen, "kvpop-mlp", budget=100).policy.source == str(main)
     with pytest.warns(ScorerSettingsWarning, match="not trained for budget 32"):  # a file given: that file
         assert make_cache(qwen, "kvpop-mlp", budget=32, path=main).policy.source == str(main)
+    # the vLLM plugin builds its cache from its settings: the same pick
+    from kvpop.serving.vllm.settings import ServeSettings
+
+    served = ServeSettings.from_additional_config({"kvpop": {"budget": 32}}).build_cache(qwen.config)
+    assert served.policy.source == str(small)
     # the evaluation resolves a policy per budget, and fingerprints the whole set
     settings = Settings()
     assert settings.policy(qwen, "kvpop-mlp", 32).source == str(small)

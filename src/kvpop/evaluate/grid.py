@@ -22,9 +22,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from ..checkpoint import default_scorer_path
 from ..config import TrainedSettings, resolve_eviction
 from ..files import atomic_write
-from ..policies import Policy
+from ..policies import KIND_TO_POLICY, Policy
 from .core import (
     DENSE,
     ORACLE,
@@ -79,18 +80,19 @@ class Settings:
     reference_length: int = 4096
     budgets: tuple[int, ...] = ()  # every budget of the run (the oracle captures all windows at once)
     policy_kwargs: dict = field(default_factory=dict)
-    # policy instances by (name, budget), each made once per run: a learned scorer's checkpoint is read and
-    # the model's weights hashed once per budget, not once per unit (a cache built from an instance does neither)
+    # policy instances by (name, scorer file), each made once per run: a learned scorer's checkpoint is read
+    # and the model's weights hashed once per file, not once per unit (a cache built from an instance does neither)
     resolved: dict = field(default_factory=dict, repr=False, compare=False)
 
     def policy(self, model, name: str, budget: int) -> str | Policy:
-        """Policy ``name`` for :func:`kvpop.evaluate.core.build_cache`: the instance its first cache at
-        ``budget`` resolved (with ``policy_kwargs[name]``; per budget, since the budget picks among a
-        model's shipped scorers), the name itself for dense and the oracle (built per item)."""
+        """Policy ``name`` for :func:`kvpop.evaluate.core.build_cache`: the instance its first cache resolved
+        (with ``policy_kwargs[name]``; one per shipped scorer file, since the budget picks among a model's
+        shipped scorers), the name itself for dense and the oracle (built per item)."""
         if name in (DENSE, ORACLE) or policy_available(name) is not None:
             return name
-        if (name, budget) not in self.resolved:
-            self.resolved[name, budget] = build_cache(
+        key = (name, self.scorer_file(model, name, budget))
+        if key not in self.resolved:
+            self.resolved[key] = build_cache(
                 model,
                 name,
                 budget,
@@ -99,7 +101,19 @@ class Settings:
                 lam=self.lam,
                 **self.policy_kwargs.get(name, {}),
             ).policy
-        return self.resolved[name, budget]
+        return self.resolved[key]
+
+    def scorer_file(self, model, name: str, budget: int) -> Path | None:
+        """The shipped scorer a learned policy given no file reads at ``budget`` (None: not a learned policy,
+        or given its scorer)."""
+        kind = {p: k for k, p in KIND_TO_POLICY.items()}.get(name)
+        given = self.policy_kwargs.get(name) or {}
+        if kind is None or given.get("path") is not None or given.get("scorer") is not None:
+            return None
+        try:
+            return default_scorer_path(kind, getattr(model, "config", None), budget=budget)
+        except (ValueError, FileNotFoundError):
+            return None
 
     def cache(self, model, name: str, budget: int | None, oracle=None):
         """The cache of policy ``name`` at ``budget`` under these settings (``None`` for dense): the instance
