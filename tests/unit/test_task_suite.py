@@ -283,7 +283,13 @@ def test_summary_and_table_from_synthetic_records():
         units.append(_rec("niah_single", i, "dense", None, 1.0, seq=100))
         units.append(_rec("niah_single", i, "streaming", 25, [1.0, 0.0, 0.0, 0.0][i]))
         units.append(_rec("niah_single", i, "kvpop-mlstm", 25, [1.0, 1.0, 0.5, 0.0][i]))
+    for i in range(4):  # a model that ships a scorer per budget range: each record names the file it read
+        units.append({**_rec("niah_single", i, "kvpop-mlp", 25, 0.0), "scorer": "/a/scorers/m-mlp-b16-64.safetensors"})
+        units.append({**_rec("niah_single", i, "kvpop-mlp", 80, 1.0), "scorer": "/b/scorers/m-mlp.safetensors"})
     res = summarize(units, [], {"model": "m"}, n_boot=200)
+    assert res["scorers"] == {
+        "kvpop-mlp": {"scorers/m-mlp-b16-64.safetensors": [25], "scorers/m-mlp.safetensors": [80]}
+    }
     row = {(r["policy"], r["budget"]): r for r in res["rows"]}
     kv = row[("kvpop-mlstm", 25)]
     assert kv["score"] == pytest.approx(0.625) and kv["relative_to_dense"] == pytest.approx(0.625)
@@ -291,8 +297,12 @@ def test_summary_and_table_from_synthetic_records():
     assert kv["compression"] == pytest.approx(0.75) and kv["ci"][0] <= 0.625 <= kv["ci"][1]
     assert "vs_streaming" not in row[("streaming", 25)]
     md = markdown(res)
-    assert "| NIAH single (number) | B=25, 75.0% of 100 | 1.000 | 0.250 (25%) | 0.625 (62%) |" in md
+    assert "| NIAH single (number) | B=25, 75.0% of 100 | 1.000 | 0.250 (25%) | 0.000 (0%) | 0.625 (62%) |" in md
     assert "| kvpop-mlstm | B=25, 75.0% of 100 | 0.625 [" in md and "| 2-0-2 |" in md
+    assert (
+        "- scorer read by kvpop-mlp: scorers/m-mlp-b16-64.safetensors at B = 25; scorers/m-mlp.safetensors at B = 80"
+        in md
+    )
 
 
 def test_report_and_cli(tmp_path, tok, capsys):

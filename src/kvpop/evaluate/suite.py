@@ -562,6 +562,17 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def scorers_read(units: list[dict]) -> dict[str, dict[str, list[int]]]:
+    """``{policy: {scorer file: budgets}}``: which scorer checkpoint each learned policy read at which
+    budgets (a model may ship one per budget range), the file named by its folder and name."""
+    out: dict[str, dict[str, set]] = defaultdict(lambda: defaultdict(set))
+    for u in units:
+        if u.get("scorer") and u.get("budget") is not None:
+            path = Path(str(u["scorer"]))
+            out[u["policy"]][f"{path.parent.name}/{path.name}"].add(int(u["budget"]))
+    return {p: {f: sorted(b) for f, b in sorted(files.items())} for p, files in sorted(out.items())}
+
+
 def summarize(units: list[dict], sessions: list[dict], fp: dict, n_boot: int = 2000) -> dict:
     """Rows (task, policy, budget) from unit records alone: mean score with a 95% bootstrap interval over
     cases, the score relative to dense on the same cases, per-case wins / losses / ties against
@@ -627,6 +638,7 @@ def summarize(units: list[dict], sessions: list[dict], fp: dict, n_boot: int = 2
         notes += [n for n in s.get("notes", []) if n not in notes]
     auto = {t: {f"{c:g}": max(1, round((1.0 - c) * L)) for c in (0.75, 0.875)} for t, L in dense_len.items() if L}
     return {
+        "scorers": scorers_read(units),
         "schema": SCHEMA,
         "model": fp.get("model"),
         "fingerprint": fp,
@@ -734,7 +746,11 @@ def markdown(results: dict) -> str:
             )
     if results.get("skipped_policies"):
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in results["skipped_policies"].items())]
-    lines += [""] + [f"- note: {n}" for n in results.get("notes", [])]
+    read = [
+        f"{policy}: " + "; ".join(f"{f} at B = {', '.join(map(str, bs))}" for f, bs in files.items())
+        for policy, files in (results.get("scorers") or {}).items()
+    ]
+    lines += [""] + [f"- scorer read by {r}" for r in read] + [f"- note: {n}" for n in results.get("notes", [])]
     return "\n".join(lines).rstrip() + "\n"
 
 
