@@ -60,6 +60,7 @@ def rehash_folder(folder: Path) -> dict[str, int]:
                 kw[name] = {**entry, "sha256": now}
     if not changed:
         return changed
+    reads: dict[tuple[str, int | None], str | None] = {}  # (kind, budget) -> sha256 of the file it reads now
     for records in sorted((folder / RECORDS_DIR).glob("*.jsonl")):
         keep, stale = [], []
         for line in records.read_text().splitlines():
@@ -68,8 +69,10 @@ def rehash_folder(folder: Path) -> dict[str, int]:
             if kind is None:
                 keep.append(line)
                 continue
-            path = default_scorer_path(kind, config, budget=rec.get("budget"))
-            ok = file_sha256(path) == recorded
+            budget = rec.get("budget")
+            if (kind, budget) not in reads:
+                reads[kind, budget] = file_sha256(default_scorer_path(kind, config, budget=budget))
+            ok = reads[kind, budget] == recorded
             (keep if ok else stale).append(line)
             changed[rec["policy"]] += not ok
         if stale:

@@ -28,6 +28,7 @@ __all__ = [
     "KIND_TO_POLICY",
     "LEARNED_POLICIES",
     "POLICY_NAMES",
+    "POLICY_TO_KIND",
     "TEACHER_FORCED_ONLY",
 ]
 
@@ -35,6 +36,7 @@ DENSE = "dense"  # not a policy: no eviction, a plain transformers cache
 ALIAS = "kvpop"  # the model's default learned policy: one of KIND_TO_POLICY's values, resolved per model
 KIND_TO_POLICY = {"mlp": "kvpop-mlp", "mlstm": "kvpop-mlstm"}  # scorer kind -> the learned policy it serves
 LEARNED_POLICIES = tuple(KIND_TO_POLICY.values())  # built from a scorer checkpoint: accept path= and model=
+POLICY_TO_KIND = {policy: kind for kind, policy in KIND_TO_POLICY.items()}
 # the scorer kind shipped as every embedded model's default: both shipped kinds are trained over every budget
 # 128..2,048, and the MLP is the better of the two on the test grids (docs/evaluation.md)
 DEFAULT_KIND = "mlp"

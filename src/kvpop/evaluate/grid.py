@@ -25,7 +25,8 @@ from torch import Tensor
 from ..checkpoint import default_scorer_path
 from ..config import TrainedSettings, resolve_eviction
 from ..files import atomic_write
-from ..policies import KIND_TO_POLICY, Policy
+from ..names import POLICY_TO_KIND
+from ..policies import Policy
 from .core import (
     DENSE,
     ORACLE,
@@ -83,6 +84,7 @@ class Settings:
     # policy instances by (name, scorer file), each made once per run: a learned scorer's checkpoint is read
     # and the model's weights hashed once per file, not once per unit (a cache built from an instance does neither)
     resolved: dict = field(default_factory=dict, repr=False, compare=False)
+    picked: dict = field(default_factory=dict, repr=False, compare=False)  # (name, budget) -> its scorer file
 
     def policy(self, model, name: str, budget: int) -> str | Policy:
         """Policy ``name`` for :func:`kvpop.evaluate.core.build_cache`: the instance its first cache resolved
@@ -90,7 +92,9 @@ class Settings:
         shipped scorers), the name itself for dense and the oracle (built per item)."""
         if name in (DENSE, ORACLE) or policy_available(name) is not None:
             return name
-        key = (name, self.scorer_file(model, name, budget))
+        if (name, budget) not in self.picked:
+            self.picked[name, budget] = self.scorer_file(model, name, budget)
+        key = (name, self.picked[name, budget])
         if key not in self.resolved:
             self.resolved[key] = build_cache(
                 model,
@@ -106,7 +110,7 @@ class Settings:
     def scorer_file(self, model, name: str, budget: int) -> Path | None:
         """The shipped scorer a learned policy given no file reads at ``budget`` (None: not a learned policy,
         or given its scorer)."""
-        kind = {p: k for k, p in KIND_TO_POLICY.items()}.get(name)
+        kind = POLICY_TO_KIND.get(name)
         given = self.policy_kwargs.get(name) or {}
         if kind is None or given.get("path") is not None or given.get("scorer") is not None:
             return None

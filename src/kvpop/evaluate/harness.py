@@ -45,6 +45,7 @@ from ..checkpoint import (
 )
 from ..config import EvictionConfig, TrainedSettings, resolve_eviction
 from ..data import SPLITS, list_corpora, load_documents, long_documents, read_user_documents
+from ..names import POLICY_TO_KIND
 from ..policies import ALIAS, KIND_TO_POLICY, default_policy
 from ..policies.learned import ADAPTER_ATTR
 from ..validate import parse_shard
@@ -194,7 +195,7 @@ def scorer_corpora(model, policy: str, kwargs: dict) -> tuple[tuple[str, ...] | 
     if kwargs.get("scorer") is not None:
         return None, "a scorer given in memory"
     path = kwargs.get("path")
-    kind = {v: k for k, v in KIND_TO_POLICY.items()}[policy]
+    kind = POLICY_TO_KIND[policy]
     bundle = getattr(model, "kvpop_adapter", None)
     if path is None and bundle is not None and bundle.scorer is not None and bundle.scorer.config.kind == kind:
         corpora = (bundle.meta.get("meta") or {}).get("corpora")
@@ -375,6 +376,14 @@ def file_sha256(path) -> str | None:
     return _sha256_of.__wrapped__(*key) if recent else _sha256_of(*key)
 
 
+def files_sha256(named: list[tuple[str, Path]]) -> str:
+    """One sha256 over several files: each file's name (as given) and the sha256 of its bytes, in order."""
+    h = hashlib.sha256()
+    for name, path in named:
+        h.update(f"{name}:{file_sha256(path)};".encode())
+    return h.hexdigest()
+
+
 def _adapter_fingerprint(model) -> dict | None:
     """The adapter bundle ``model`` was loaded with (None: none) and one hash of all its files: its LoRA
     weights change the outputs, and the base-weight hash reads through them."""
@@ -383,10 +392,11 @@ def _adapter_fingerprint(model) -> dict | None:
     if not folder:
         return None
     folder = Path(folder)
-    h = hashlib.sha256()
-    for f in sorted(x for x in folder.rglob("*") if x.is_file()):
-        h.update(f"{f.relative_to(folder).as_posix()}:{file_sha256(f)};".encode())
-    return {"path": str(folder), FILE_HASH_KEY: h.hexdigest()[:16]}
+    files = sorted(x for x in folder.rglob("*") if x.is_file())
+    return {
+        "path": str(folder),
+        FILE_HASH_KEY: files_sha256([(f.relative_to(folder).as_posix(), f) for f in files])[:16],
+    }
 
 
 def shipped_scorer_file(config, kind: str) -> Path | None:
@@ -407,12 +417,7 @@ def shipped_scorers_sha256(config, kind: str) -> str | None:
         paths = shipped_scorers(kind, config)
     except (ScorerMismatchError, FileNotFoundError):
         return None
-    if len(paths) == 1:
-        return file_sha256(paths[0])
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(f"{p.name}:{file_sha256(p)};".encode())
-    return h.hexdigest()
+    return file_sha256(paths[0]) if len(paths) == 1 else files_sha256([(p.name, p) for p in paths])
 
 
 def content_kwargs(model, policy_kwargs: dict | None) -> dict:
