@@ -9,6 +9,9 @@ tokens and the rest of the sentence.
 
     python research/multikey_kept.py --model qwen2.5-coder-0.5b --policies kvpop-mlp snapkv --out results/qwen/multikey-kept
 
+A policy given as ``NAME=SCORER`` (``kvpop-mlp=runs/x/scorer.safetensors``) is a learned policy reading that
+scorer file instead of the shipped one, reported under ``NAME=SCORER``.
+
 Writes OUT/kept.json (per case, policy and needle: the fraction of (layer, KV head) pairs holding each
 token of the key, the value and the frame, and the fraction holding all of the key's or all of the
 value's tokens; a summary over the needles that left the window) and OUT/kept.png; prints one line per
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             if (case.item_id, policy) in done:
                 continue
             t0 = time.perf_counter()
-            cache = kvpop.make_cache(model, policy, budget=args.budget)
+            name, _, scorer = policy.partition("=")
+            cache = kvpop.make_cache(model, name, budget=args.budget, **({"path": scorer} if scorer else {}))
             with torch.no_grad():
                 model(torch.tensor([ids]), **cache_kwargs(cache), logits_to_keep=1)
             held = torch.cat([layer.held_indices()[0] for layer in cache.layers])  # [(layer, head), B]

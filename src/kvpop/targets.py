@@ -61,6 +61,7 @@ __all__ = [
     "loss_mask",
     "n_future",
     "row_lse",
+    "spread_targets",
 ]
 
 METHODS = ("auto", "dense", "blocked", "fused", "flex")
@@ -92,6 +93,24 @@ def loss_mask(S: int, window: int, min_future: int | None = None, device=None) -
     min_future = max(1, int(min_future))
     t = torch.arange(S, device=device, dtype=torch.long)
     return (S - (t + window)) >= min_future
+
+
+def spread_targets(target: Tensor, span: int) -> Tensor:
+    """Each defined position's target raised to the largest within ``span`` positions either side
+    (``target [..., S]``, log scale; ``-inf`` positions, which have no target, stay ``-inf``).
+
+    A fact is several tokens (a 7-digit number is 7 tokens for Qwen's tokenizer), and the teacher
+    ranks each on its own, so a head may keep the one digit a later query read hardest and drop the
+    rest; spread targets rank a fact's tokens together. ``span = 0`` returns ``target`` unchanged."""
+    if isinstance(span, bool) or not isinstance(span, int) or span < 0:
+        raise ValueError(f"span must be an integer >= 0, got {span!r}")
+    if span == 0:
+        return target
+    S = target.shape[-1]
+    flat = target.reshape(-1, 1, S)
+    spread = torch.nn.functional.max_pool1d(flat, kernel_size=2 * span + 1, stride=1, padding=span)
+    spread = spread.reshape(target.shape)
+    return torch.where(torch.isneginf(target), target, spread)
 
 
 def check_power(power) -> float:

@@ -13,6 +13,7 @@ from kvpop.targets import (
     n_future,
     resolve_method,
     row_lse,
+    spread_targets,
 )
 
 
@@ -347,3 +348,22 @@ def test_power_is_checked():
     for bad in (0.5, float("inf"), True, "2"):
         with pytest.raises(ValueError, match="power must be"):
             future_attention(q, k, 1, power=bad)
+
+
+@pytest.mark.parametrize("span", [1, 3])
+def test_spread_targets_takes_the_largest_neighbour_and_keeps_undefined_positions(span):
+    torch.manual_seed(0)
+    target = torch.randn(2, 3, 20)
+    target[..., -5:] = -math.inf  # the last window: no target
+    target[0, 1, 7] = 9.0  # one sharply read token
+    out = spread_targets(target, span)
+    expect = target.clone()
+    for t in range(20):
+        if not math.isinf(target[0, 0, t]):
+            lo, hi = max(0, t - span), min(20, t + span + 1)
+            expect[..., t] = target[..., lo:hi].amax(-1)
+    torch.testing.assert_close(out, expect)
+    assert (out[0, 1, 7 - span : 7 + span + 1] == 9.0).all() and out[0, 1, 7 + span + 1] < 9.0
+    assert spread_targets(target, 0) is target
+    with pytest.raises(ValueError, match="span must be an integer >= 0"):
+        spread_targets(target, -1)

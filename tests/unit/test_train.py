@@ -606,3 +606,20 @@ def test_ship_scorer_ships_the_last_checkpoint_of_a_run_without_validation(tmp_p
     assert summary["validation_report"] == "v.md" and summary["note"] == "chosen on the validation split"
     assert summary["corpora"] == ["shakespeare", "package_code"] and summary["validation_retention"] == []
     assert sorted(p.name for p in assets.iterdir()) == [dest.name, dest.with_suffix(".summary.json").name]
+
+
+def test_target_span_spreads_the_stores_targets_and_is_part_of_the_run(tmp_path, docs):
+    model, tok = tiny_model("llama"), tiny_tokenizer()
+    store = str(tmp_path / "store")
+    plain = train(_cfg(tmp_path / "a", docs, scorer="mlp", val_docs=0, steps=4, store=store), model, tok)
+    spread = train(
+        _cfg(tmp_path / "b", docs, scorer="mlp", val_docs=0, steps=4, store=store, target_span=2), model, tok
+    )
+    assert [h["loss"] for h in spread["history"]] != pytest.approx([h["loss"] for h in plain["history"]], rel=1e-3)
+    # read from the store or captured in the run, the spread targets are the same
+    fresh = train(_cfg(tmp_path / "c", docs, scorer="mlp", val_docs=0, steps=4, target_span=2), model, tok)
+    assert [h["loss"] for h in fresh["history"]] == pytest.approx([h["loss"] for h in spread["history"]], rel=1e-3)
+    with pytest.raises(ValueError, match="other settings.*target_span"):
+        train(_cfg(tmp_path / "b", docs, scorer="mlp", val_docs=0, steps=6, store=store, target_span=3), model, tok)
+    with pytest.raises(ValueError, match="target_span must be an integer >= 0"):
+        _cfg(tmp_path / "d", docs, target_span=-1).validate()

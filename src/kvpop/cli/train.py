@@ -97,6 +97,13 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
         "mean; larger (e.g. 8) ranks tokens a few later queries read sharply, like a needle, above ones many "
         "read faintly",
     )
+    p.add_argument(
+        "--target-span",
+        type=int,
+        default=d.target_span,
+        help="each token's target becomes the largest within this many tokens either side, so a fact's "
+        "tokens (a number's digits) are kept or dropped together (default 0: each token its own)",
+    )
     p.add_argument("--loss", choices=["boundary", "mse"], default=d.loss)
     p.add_argument("--store", default=None, help="capture store folder: captures are kept there and reused")
     p.add_argument("--capture-only", action="store_true", help="fill --store for --steps x --batch-size sequences")

@@ -124,6 +124,10 @@ class TrainConfig(RunSettings):
     # receives; larger ranks a token a few queries read sharply (a needle the question reads) above one
     # many read faintly
     target_power: float = 1.0
+    # > 0: each token's target is the largest within this many tokens either side (kvpop.targets.
+    # spread_targets), so the teacher keeps or drops a fact's tokens together; applied when a capture is
+    # read, so one store serves every span
+    target_span: int = 0
     loss: str = "boundary"  # "boundary" | "mse"
     weighting: str = "mass"  # boundary decisions weighted "uniform" or by the attention "mass" at stake
     tau: float = 1.0
@@ -275,6 +279,8 @@ class TrainConfig(RunSettings):
             view["lam_scale"] = self.lam_scale
         if self.target_power != 1.0:  # and the power-mean target
             view["target_power"] = self.target_power
+        if self.target_span:  # and the spread target
+            view["target_span"] = self.target_span
         return view
 
     def validate(self) -> None:
@@ -331,6 +337,8 @@ class TrainConfig(RunSettings):
         if not math.isfinite(self.lam) or self.lam < 0:
             raise ValueError(f"lam must be a finite number >= 0, got {self.lam}")
         check_number("target_power", self.target_power, minimum=1.0, optional=False)
+        if isinstance(self.target_span, bool) or not isinstance(self.target_span, int) or self.target_span < 0:
+            raise ValueError(f"target_span must be an integer >= 0, got {self.target_span!r}")
         if self.capture_only and not self.store:
             raise ValueError("capture_only needs a store folder (--store DIR) to fill")
         if not self.docs_from:

@@ -28,6 +28,7 @@ from .. import data
 from ..capture import collect
 from ..checkpoint import fingerprint_diff, model_fingerprint
 from ..files import atomic_write
+from ..targets import spread_targets
 from .config import TrainConfig, rotating_windows
 
 STORE_FORMAT = "kvpop-capture-store-v1"
@@ -66,6 +67,14 @@ class Example:
             {w: self.observed[w] for w in keep if w in self.observed} if observed else {},
             self.corpora,
         )
+
+    def spread(self, span: int) -> Example:
+        """The same capture with each target spread over ``span`` tokens either side
+        (``kvpop.targets.spread_targets``; 0: this capture itself)."""
+        if not span:
+            return self
+        targets = {w: spread_targets(t, span) for w, t in self.targets.items()}
+        return Example(self.keys, self.values, targets, self.observed, self.corpora)
 
     @staticmethod
     def cat(parts: list[Example]) -> Example:
@@ -296,8 +305,12 @@ def stored_tensors(ex: Example) -> dict[str, Tensor]:
 
 
 def example_for(j: int, source: SequenceSource, store: CaptureStore | None, model, cfg: TrainConfig) -> Example:
-    """Sequence ``j``'s capture with the targets of its windows (``cfg.sequence_windows(j)``): from the
-    store, or captured now (and stored, with a store)."""
+    """Sequence ``j``'s capture with the targets of its windows (``cfg.sequence_windows(j)``, spread by
+    ``cfg.target_span``): from the store, or captured now (and stored, with a store)."""
+    return _capture_for(j, source, store, model, cfg).spread(cfg.target_span)
+
+
+def _capture_for(j: int, source: SequenceSource, store: CaptureStore | None, model, cfg: TrainConfig) -> Example:
     stored = store.sequence_windows(j) if store is not None else None
     if stored is None:
         windows = cfg.sequence_windows(j)

@@ -105,7 +105,9 @@ class ScorerTraining:
             self.probe = RetentionProbe(model, tokenizer, cfg, cache_dir=cfg.val_cache)
             vsrc = SequenceSource(cfg, tokenizer, "validation", seed=VALIDATION_SEED, seq_len=cfg.val_seq_len)
             self.val_examples = [
-                capture_example(model, ids.view(1, -1), cfg.windows(), cfg.sinks, cfg.observed, [c], cfg.target_power)
+                capture_example(
+                    model, ids.view(1, -1), cfg.windows(), cfg.sinks, cfg.observed, [c], cfg.target_power
+                ).spread(cfg.target_span)
                 for c, ids in (vsrc.get(j) for j in range(min(2, cfg.val_docs)))
             ]
         self.validates = self.probe is not None
