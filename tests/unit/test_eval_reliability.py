@@ -339,3 +339,23 @@ def test_the_fingerprint_hashes_the_scorer_shipped_for_the_model_it_evaluates():
     assert content_kwargs(qwen, None)["kvpop-mlstm"]["sha256"] == file_sha256(mlstm)  # one file: its own
     # a model no shipped scorer fits records no hash (its learned policies need --scorer)
     assert "kvpop-mlp" not in content_kwargs(tiny_model("qwen2"), None)
+
+
+def test_the_same_scorer_bytes_resume_whatever_path_names_them(folders, tmp_path, monkeypatch, capsys):
+    """The scorer's sha256 decides: a relative path, or a copy of the file elsewhere, resumes the folder."""
+    model, model_dir, docs = folders
+    path = _scorer(tmp_path / "mlp.safetensors", model, seed=0)
+    out = tmp_path / "out"
+    assert main(_args(model_dir, docs, out, "--policies", "dense", "kvpop-mlp", "--scorer", str(path))) == 0
+    monkeypatch.chdir(tmp_path)
+    assert main(_args(model_dir, docs, out, "--policies", "dense", "kvpop-mlp", "--scorer", path.name)) == 0
+    assert _units_run(out) == 0
+    copy = tmp_path / "elsewhere" / "copy.safetensors"
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    assert main(_args(model_dir, docs, out, "--policies", "dense", "kvpop-mlp", "--scorer", str(copy))) == 0
+    assert _units_run(out) == 0
+    capsys.readouterr()
+    _scorer(copy, model, seed=1)  # other bytes under the new name
+    assert main(_args(model_dir, docs, out, "--policies", "dense", "kvpop-mlp", "--scorer", str(copy))) == 2
+    assert f"the scorer file {copy} of policy kvpop-mlp" in _error(capsys)

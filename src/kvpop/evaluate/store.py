@@ -116,14 +116,18 @@ def check_out(out: str | Path, write: bool = True) -> None:
 
 def _known(fp: dict, other: dict) -> dict:
     """``fp`` without the content hashes that ``other`` does not record, so folders made before eval hashed
-    the model's weights and scorer files still resume and merge (their run.json takes the hashes then)."""
+    the model's weights and scorer files still resume and merge (their run.json takes the hashes then);
+    and without a scorer's path where both record its hash: the bytes decide, not how the path was
+    written (relative or absolute, or the same file copied elsewhere)."""
     out = {k: v for k, v in fp.items() if k not in CONTENT_KEYS or k in other}
     kw, other_kw = fp.get("policy_kwargs"), other.get("policy_kwargs") or {}
     if isinstance(kw, dict):
         out["policy_kwargs"] = {}
         for p, v in kw.items():
-            if isinstance(v, dict) and FILE_HASH_KEY not in (other_kw.get(p) or {}):
-                v = {a: b for a, b in v.items() if a != FILE_HASH_KEY}
+            if isinstance(v, dict):
+                theirs = other_kw.get(p) or {}
+                drop = {"path"} if FILE_HASH_KEY in v and FILE_HASH_KEY in theirs else {FILE_HASH_KEY}
+                v = {a: b for a, b in v.items() if a not in drop}
                 if not v:
                     continue
             out["policy_kwargs"][p] = v
@@ -152,6 +156,7 @@ def _explain(here: dict, there: dict) -> str:
         )
         a.pop(ADAPTER_KEY), b.pop(ADAPTER_KEY)
     ka, kb = dict(a.get("policy_kwargs") or {}), dict(b.get("policy_kwargs") or {})
+    here_kw = here.get("policy_kwargs") or {}
     for p in sorted(set(ka) & set(kb)):
         va, vb = ka[p], kb[p]
         if not (isinstance(va, dict) and isinstance(vb, dict)) or va.get(FILE_HASH_KEY) == vb.get(FILE_HASH_KEY):
@@ -159,7 +164,7 @@ def _explain(here: dict, there: dict) -> str:
         ra, rb = ({x: y for x, y in v.items() if x != FILE_HASH_KEY} for v in (va, vb))
         if ra == rb:
             changed.append(
-                f"the scorer file {va.get('path') or 'shipped with kvpop'} of policy {p}: sha256 "
+                f"the scorer file {here_kw.get(p, {}).get('path') or 'shipped with kvpop'} of policy {p}: sha256 "
                 f"{str(va[FILE_HASH_KEY])[:16]} here vs {str(vb[FILE_HASH_KEY])[:16]} there"
             )
             ka[p], kb[p] = ra, rb
