@@ -1,6 +1,6 @@
 """Prefill throughput of the current chunk step against the one at an earlier revision, in one process.
 
-Both versions of ``kvpop/step.py`` (each with its own revision's ``observed_sums``), or with
+Both versions of ``kvpop/step.py`` (each with its own revision's ``kvpop/observed.py``), or with
 ``--swap mlstm`` of the mLSTM scorer's methods (``kvpop/scorers/mlstm.py``), run on the same model,
 prompt and thread count, alternating round by round so that machine noise hits both alike; dense is
 timed beside them, and every policy gets one untimed warm-up prefill first. Only that code is swapped,
@@ -58,9 +58,20 @@ def main(argv: list[str] | None = None) -> int:
         return mod
 
     if args.swap == "step":
+        # the chunk statistics live in observed.py: the baseline step uses that revision's, so the names
+        # its step imports from there are lent to the current module while the old step loads
+        import kvpop.observed as observed_now
+
+        observed_old = load_old("observed")
+        lent = [n for n in observed_old.__all__ if not hasattr(observed_now, n)]
+        for n in lent:
+            setattr(observed_now, n, getattr(observed_old, n))
         old = load_old("step")
-        # the chunk statistics' sums live in observed.py: the baseline step uses that revision's too
-        old.observed_sums = load_old("observed").observed_sums
+        for n in lent:
+            delattr(observed_now, n)
+        for n in observed_old.__all__:
+            if hasattr(old, n):
+                setattr(old, n, getattr(observed_old, n))
         steps = {"now": cache_mod.prefill_chunk, args.old_rev: old.prefill_chunk}
 
         def use(version: str) -> None:

@@ -10,23 +10,25 @@ statistic, ``o = 32`` SnapKV's, ``o = 1`` TOVA's. The learned scorers may read t
 This module holds the statistic in each shape it is needed in: from a whole sequence's queries and
 keys, as a training capture needs them (:func:`observed_attention`, block by block in
 ``O(S * (window + block))`` memory); and as a cache accumulates them, for a prefill chunk of
-queries (:func:`observed_sums`) and for one decode query (:func:`ring_contrib`). The plain
+queries (:func:`chunk_observed`) and for one decode query (:func:`ring_contrib`). The plain
 per-query definitions the tests hold them to are in ``kvpop.testing.observed``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "CHUNK_BLOCK",
+    "chunk_observed",
     "observed_attention",
     "observed_attention_windows",
     "observed_counts",
     "observed_features",
-    "observed_sums",
     "observed_windows",
     "ring_contrib",
 ]
@@ -144,32 +146,95 @@ def observed_attention_windows(
 # --- the same sums, as a cache accumulates them while it runs (kvpop.step) ---------------------------
 
 
-def observed_sums(p_mean, key_idx, n_real, valid, window: int, obs_windows) -> torch.Tensor:
-    """Per key, the attention it got from the chunk's queries that are at least ``window - o`` newer,
-    for each observation window ``o``: ``[b, h, n + c, n_obs]``.
+CHUNK_BLOCK = 128  # queries per logits block of chunk_observed (64 and 256 were slower per chunk)
 
-    ``p_mean [b, h, c, n + c]`` is zero for padding queries and wherever a query does not observe the
-    key (the key is not in the query's window: older by ``window`` or more, newer, or an empty slot).
-    So the queries that count for window ``o`` are a band of at most ``o`` consecutive queries, the
-    last ``o`` steps before the key leaves the window: the whole window is one column sum, and a
-    narrow window gathers its ``o`` rows (instead of a suffix sum over all ``c`` queries per key).
-    A row's real queries are consecutive tokens after its left padding, so a key's band starts at
-    chunk position ``first_real - n_real + key_idx + window - o``.
-    ``kvpop.testing.observed.observed_sums_reference`` is the direct form; a test holds them together.
+
+def chunk_observed(
+    query: Tensor,
+    keys: Tensor,
+    slot_index: Tensor,
+    n_real: Tensor,
+    valid: Tensor | None,
+    sinks: int,
+    window: int,
+    obs_windows: Sequence[int],
+    scaling: float,
+) -> Tensor:
+    """What a prefill chunk's queries add to the statistics of the ring's and the chunk's keys,
+    ``[b, h, window + c, n_obs]``: the ring's slots in slot order, then the chunk's tokens.
+
+    ``query [b, hq, c, d]`` (``c <= window``); ``keys [b, h, B + c, d]``: the cache's ``B`` slots
+    (sinks, ring, long-range) then the chunk's keys; ``slot_index [b, sinks + window]`` the token
+    each sink and ring slot holds (-1: none yet); ``n_real [b]`` tokens seen before the chunk;
+    ``valid [b, c]`` False for left padding (None: every query is real). A query's statistic is
+    normalised over its local keys only: the sinks and the ``window`` newest tokens, itself included.
+
+    Why this layout: laid out oldest first (the ring's tokens by age, then the chunk's), the
+    window keys of chunk query ``j`` are exactly columns ``j + 1 .. j + window``, a band. So the
+    logits are formed block by block over the band's columns only, read as a strided view (no mask
+    over the ``c`` columns a query does not observe), normalised over ``sinks + window`` columns,
+    and summed per key by writing the band back on its diagonals. Observation window ``o`` counts a
+    query when the key is at least ``window - o`` tokens older: band offsets ``0 .. o - 1``.
+    ``kvpop.testing.observed.chunk_observed_reference`` is the masked form over every column.
     """
-    b, c = p_mean.shape[0], p_mean.shape[2]
-    first_real = c - valid.long().sum(1)  # chunk position of each row's first real query
-    out = []
-    for o in obs_windows:
-        thr = window - o
-        if thr <= 0:  # every query that observes the key counts
-            out.append(p_mean.sum(2))
-            continue
-        start = (first_real - n_real).view(b, 1, 1) + key_idx + thr  # [b, h, nk]
-        rows = start.unsqueeze(2) + torch.arange(o, device=p_mean.device).view(1, 1, o, 1)  # [b, h, o, nk]
-        inside = (rows >= 0) & (rows < c)
-        out.append((p_mean.gather(2, rows.clamp(0, c - 1)) * inside).sum(2))
-    return torch.stack(out, -1)
+    b, hq, c, d = query.shape
+    h = keys.shape[1]
+    g = hq // h
+    s, w = sinks, window
+    n = keys.shape[2] - c  # B
+    cols = w + c
+    dev = query.device
+    first_real = 0 if valid is None else (c - valid.long().sum(1)).view(b, 1)  # each row's first real query
+    # column p holds token n_real - w + p - first_real: the ring's tokens oldest first, then the chunk's
+    # (chunk position p - w); a column older than the ring's oldest token (or a sink) holds nothing
+    p = torch.arange(cols, device=dev).view(1, cols)
+    t = (n_real.view(b, 1) - w - first_real) + p
+    in_chunk = p >= w + first_real
+    in_ring = ~in_chunk & (t >= s) & (p >= first_real)
+    src = torch.where(in_chunk, n + p - w, torch.where(in_ring, s + (t - s) % w, 0))
+    k_band = keys.gather(2, src.view(b, 1, cols, 1).expand(b, h, cols, d)).float()
+    q_scaled = query.float().view(b, h, g, c, d) * scaling  # scale the queries, not the larger logits
+    x = q_scaled.new_empty(b, h, g, c, s + w)  # each query's sinks, then its band
+    if s:
+        x[..., :s] = torch.matmul(q_scaled, keys[:, :, None, :s].float().transpose(-1, -2))
+    for j0 in range(0, c, CHUNK_BLOCK):
+        j1 = min(c, j0 + CHUNK_BLOCK)
+        r = j1 - j0
+        full = torch.matmul(q_scaled[:, :, :, j0:j1], k_band[:, :, None, j0 + 1 : j1 + w].transpose(-1, -2))
+        m = full.shape[-1]  # w + r - 1 columns; row i's band starts at column i
+        band = full.as_strided((b, h, g, r, w), (h * g * r * m, g * r * m, r * m, m + 1, 1), full.storage_offset())
+        x[..., j0:j1, s:] = band
+    # an additive 0 / -inf bias broadcast over the heads: empty columns and sink slots not filled yet
+    col_bias = torch.where(in_chunk | in_ring, 0.0, -math.inf)  # [b, cols]
+    bias = col_bias.as_strided((b, c, w), (cols, 1, 1), col_bias.storage_offset() + 1)  # query j: columns j + 1 ..
+    if s:
+        sink_bias = torch.where(slot_index[:, :s] >= 0, 0.0, -math.inf).view(b, 1, s).expand(b, c, s)
+        bias = torch.cat([sink_bias, bias], dim=-1)
+    x.add_(bias.reshape(b, 1, 1, c, s + w))
+    # the sums are linear, so the mean over the group's query heads is taken on the (smaller) sum
+    band_p = torch.softmax(x, dim=-1)[..., s:].sum(2)  # [b, h, c, w]: query j, band offset a
+    if valid is not None:  # a padding query's row is NaN or counts nothing
+        band_p = torch.where(valid.view(b, 1, c, 1), band_p.nan_to_num(0.0), 0.0)
+    band_p = band_p / g
+    # per window: the band's first o offsets written back on their diagonals, summed over the queries
+    diag = band_p.new_zeros(b, h, c, cols)
+    on_diag = diag.as_strided((b, h, c, w), (h * c * cols, c * cols, cols + 1, 1), 1)
+    by_window, done = {}, 0
+    for o in sorted(set(obs_windows)):
+        on_diag[..., done:o] = band_p[..., done:o]
+        by_window[o], done = diag.sum(2), o  # [b, h, cols]
+    sums = torch.stack([by_window[o] for o in obs_windows], -1)  # [b, h, cols, n_obs]
+    # back to the cache's order: each ring slot from the column of the token it holds, then the chunk
+    ring_t = slot_index[:, s : s + w]
+    ring_p = ring_t - (n_real.view(b, 1) - w - first_real)
+    ring_ok = (ring_t >= s) & (ring_p >= 0) & (ring_p < cols)
+    nobs = sums.shape[-1]
+    ring = sums.gather(2, ring_p.clamp(0, cols - 1).view(b, 1, w, 1).expand(b, h, w, nobs))
+    ring = torch.where(ring_ok.view(b, 1, w, 1), ring, 0.0)
+    new = sums[:, :, w:]
+    if valid is not None:  # a padding position's column is a ring token's: the padding itself got nothing
+        new = torch.where(valid.view(b, 1, c, 1), new, 0.0)
+    return torch.cat([ring, new], dim=2)
 
 
 def ring_contrib(p_ring: Tensor, age: Tensor, window: int, obs_windows: Sequence[int]) -> Tensor:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import rule
-from .observed import observed_sums, ring_contrib
+from .observed import chunk_observed, ring_contrib
 from .policies import ExitBatch
 from .scorers.decode import DecodeSpec, decode_scores
 from .state import LayerState
@@ -250,31 +250,20 @@ def _chunk(spec: StepSpec, st: LayerState, valid: Tensor, h: int, padded: bool) 
 def _chunk_observed(spec: StepSpec, st: LayerState, ch: _Chunk, q: Tensor, all_k: Tensor):
     """The window statistics as the chunk's queries add to them: ``(ring, new)``, the accumulated
     statistics of every ring slot before the chunk overwrites it ``[b, h, w, n_obs]`` and the new
-    tokens' own ``[b, h, c, n_obs]``. ``q [b, hq, c, d]``, ``all_k [b, h, B + c, d]``.
-
-    A query's statistic is normalised over its local keys (sinks and window), which lie among the
-    sinks, the ring and the chunk: the logits are formed over those ``s + w + c`` columns only, never
-    over the long-range slots."""
-    s, w, n = spec.sinks, spec.window, spec.budget
-    b, hq, c, d = q.shape
-    h = all_k.shape[1]
-    k_loc = torch.cat([all_k[:, :, : s + w], all_k[:, :, n:]], dim=2)  # [b, h, s + w + c, d]
-    q_scaled = q.reshape(b, h, hq // h * c, d).float() * spec.scaling  # scale the queries, not the larger logits
-    logits = torch.matmul(q_scaled, k_loc.float().transpose(-1, -2)).view(b, h, hq // h, c, -1)
-    loc_idx = torch.cat([ch.key_idx[..., : s + w], ch.key_idx[..., n:]], dim=-1)  # [b, h, s + w + c]
-    kidx = loc_idx.view(b, h, 1, 1, -1)
-    tq = ch.new_idx.view(b, 1, 1, c, 1)
-    local = (kidx >= 0) & (kidx <= tq) & ((kidx < s) | (kidx > tq - w))
-    # an additive 0 / -inf bias broadcast over the query heads costs far less than a broadcast masked_fill
-    logits.add_(torch.where(local, 0.0, -math.inf))
-    # only the ring's and the chunk's keys gather statistics (sinks never leave; long-range keys are
-    # never local): every later step works per key, so it runs on those columns alone. The sums are
-    # linear, so the mean over the group's query heads is taken on the (small) result.
-    p_sum = torch.softmax(logits, dim=-1).sum(dim=2)[..., s:]  # [b, h, c, w + c]
-    if ch.padded:  # a padding query sees no local key: its row is NaN
-        p_sum = p_sum.nan_to_num(0.0)
-    contrib = observed_sums(p_sum, loc_idx[..., s:], st.n_real, ch.valid, w, spec.obs_windows)  # [b, h, w + c, nobs]
-    contrib = contrib / (hq // h)
+    tokens' own ``[b, h, c, n_obs]`` (:func:`kvpop.observed.chunk_observed`). ``q [b, hq, c, d]``,
+    ``all_k [b, h, B + c, d]``."""
+    s, w = spec.sinks, spec.window
+    contrib = chunk_observed(
+        q,
+        all_k,
+        ch.key_idx[:, 0, : s + w],  # sinks and ring hold the same tokens in every head
+        st.n_real,
+        ch.valid if ch.padded else None,
+        s,
+        w,
+        spec.obs_windows,
+        spec.scaling,
+    )
     return st.observed + contrib[:, :, :w], contrib[:, :, w:]
 
 

@@ -353,28 +353,60 @@ def test_bench_specs_floor_and_compile():
     assert cache_for_spec(model, "h2o@24").eviction.chunk == cache.eviction.chunk
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_observed_sums_equal_reference(seed):
-    """The banded form of the chunk's observed-attention statistics equals the masked sums."""
-    from kvpop.observed import observed_sums
-    from kvpop.testing.observed import observed_sums_reference
+def _slots_after(n_real: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
+    """``[b, sinks + window]``: the token each sink and ring slot holds after ``n_real`` tokens (-1: none)."""
+    out = torch.full((n_real.numel(), sinks + window), -1)
+    for row, seen in enumerate(n_real.tolist()):
+        for t in range(min(seen, sinks)):
+            out[row, t] = t
+        for t in range(max(sinks, seen - window), seen):
+            out[row, sinks + (t - sinks) % window] = t
+    return out
 
-    g = torch.Generator().manual_seed(seed)
-    b, h, c, n, w = 3, 2, 7, 10, 5
-    n_real = torch.tensor([0, 9, 23])
-    valid = torch.ones(b, c, dtype=torch.bool)
-    valid[0, :3] = False  # left padding
-    valid[2, :1] = False
-    held = torch.randint(-1, 30, (b, h, n), generator=g)
-    new_idx = torch.where(valid, n_real.unsqueeze(1) + valid.long().cumsum(1) - 1, -1)
-    key_idx = torch.cat([held, new_idx.unsqueeze(1).expand(b, h, c)], 2)
-    age = new_idx.view(b, 1, c, 1) - key_idx.unsqueeze(2)
-    # a query observes a key while it is in its window (0 <= age < w): zero elsewhere, as the chunk step gives
-    seen = (key_idx.unsqueeze(2) >= 0) & (age >= 0) & (age < w) & valid.view(b, 1, c, 1)
-    p_mean = torch.rand(b, h, c, n + c, generator=g) * seen
-    for obs in [(5, 2, 1), (1,), (3, 5), (4, 6)]:
-        got = observed_sums(p_mean, key_idx, n_real, valid, w, obs)
-        torch.testing.assert_close(got, observed_sums_reference(p_mean, key_idx, n_real, valid, w, obs))
+
+@pytest.mark.parametrize(
+    ("sinks", "window", "c", "seen", "pad"),
+    [
+        (2, 5, 5, [0, 9, 23], [3, 0, 1]),  # a first chunk, a ring filling up, a full ring; left padding
+        (2, 5, 3, [1, 4, 40], [0, 2, 0]),  # fewer new tokens than the window; seen inside the sinks
+        (0, 6, 6, [0, 7, 30], [2, 0, 0]),  # no sinks
+        (4, 8, 1, [3, 12, 50], [0, 0, 0]),  # one token at a time
+        (3, 8, 8, [17, 18, 19], [0, 0, 0]),  # no padding (valid=None)
+    ],
+)
+def test_chunk_observed_equals_masked_reference(sinks, window, c, seen, pad):
+    """The banded chunk statistics equal the masked form over every column, per observation window."""
+    from kvpop.observed import CHUNK_BLOCK, chunk_observed
+    from kvpop.testing.observed import chunk_observed_reference
+
+    g = torch.Generator().manual_seed(sinks + window + c)
+    b, h, hq, d, k = 3, 2, 4, 8, 3
+    n_real = torch.tensor(seen)
+    valid = torch.arange(c).view(1, c) >= torch.tensor(pad).view(b, 1)
+    valid = None if bool(valid.all()) else valid
+    query = torch.randn(b, hq, c, d, generator=g)
+    keys = torch.randn(b, h, sinks + window + k + c, d, generator=g)
+    slots = _slots_after(n_real, sinks, window)
+    for obs in [(window, 2, 1), (1,), (3, window), (window,)]:
+        got = chunk_observed(query, keys, slots, n_real, valid, sinks, window, obs, 0.3)
+        want = chunk_observed_reference(query, keys, slots, n_real, valid, sinks, window, obs, 0.3)
+        assert got.shape == (b, h, window + c, len(obs))
+        torch.testing.assert_close(got, want)
+    assert CHUNK_BLOCK >= 1
+
+
+def test_chunk_observed_blocks_agree(monkeypatch):
+    """Logits formed block by block give what one block gives (queries beyond the first block)."""
+    from kvpop import observed
+
+    g = torch.Generator().manual_seed(0)
+    n_real, sinks, window, c = torch.tensor([40, 77]), 2, 16, 16
+    query, keys = torch.randn(2, 4, c, 8, generator=g), torch.randn(2, 2, sinks + window + 5 + c, 8, generator=g)
+    slots = _slots_after(n_real, sinks, window)
+    args = (query, keys, slots, n_real, None, sinks, window, (16, 4, 1), 0.3)
+    whole = observed.chunk_observed(*args)
+    monkeypatch.setattr(observed, "CHUNK_BLOCK", 5)
+    torch.testing.assert_close(observed.chunk_observed(*args), whole)
 
 
 def test_failed_compile_falls_back_to_eager_once():
