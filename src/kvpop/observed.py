@@ -201,9 +201,9 @@ def chunk_observed(
         j1 = min(c, j0 + CHUNK_BLOCK)
         r = j1 - j0
         full = torch.matmul(q_scaled[:, :, :, j0:j1], k_band[:, :, None, j0 + 1 : j1 + w].transpose(-1, -2))
-        m = full.shape[-1]  # w + r - 1 columns; row i's band starts at column i
-        band = full.as_strided((b, h, g, r, w), (h * g * r * m, g * r * m, r * m, m + 1, 1), full.storage_offset())
-        x[..., j0:j1, s:] = band
+        # w + r - 1 columns; row i's band starts at column i (a step of one row and one column)
+        st = full.stride()
+        x[..., j0:j1, s:] = full.as_strided((b, h, g, r, w), (*st[:3], st[3] + st[4], st[4]), full.storage_offset())
     # an additive 0 / -inf bias broadcast over the heads: empty columns and sink slots not filled yet
     col_bias = torch.where(in_chunk | in_ring, 0.0, -math.inf)  # [b, cols]
     bias = col_bias.as_strided((b, c, w), (cols, 1, 1), col_bias.storage_offset() + 1)  # query j: columns j + 1 ..
