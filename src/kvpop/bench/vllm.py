@@ -11,7 +11,9 @@ side by side in one run, each engine in its own process:
   usage gauge at that step and its preemption counter are recorded with it.
 * **throughput**: ``--concurrency`` requests of ``--throughput-length`` tokens at once (KV space
   ``--throughput-space-mib``, room for all of them dense); once all decode, the wall time of
-  ``--decode-steps`` engine steps gives the decode tokens/s over all requests.
+  ``--decode-steps`` engine steps gives the decode tokens/s over all requests, and the steps before
+  them the prefill's seconds. Each engine first serves the same number of short prompts, so that
+  compiling kvpop's decode step is not timed as prefill.
 
     kvpop bench vllm --out results/bench_vllm        # writes .json and .png
 """
