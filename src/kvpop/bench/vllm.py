@@ -153,7 +153,7 @@ def worker(args, part: str, mode: str) -> dict:
             # first the same shapes on short prompts (past B, so kvpop's decode is its steady step): a
             # compiled decode step compiles here, not inside the measured prefill, where the first
             # request decodes while the others prefill
-            warm = min(args.throughput_length, 2 * args.budget)
+            warm = min(args.throughput_length, max(2 * args.budget, new + 64))
             t_warm = time.perf_counter()
             _run(llm, _prompts(tok, count, warm - new), new)
             t_warm = time.perf_counter() - t_warm

@@ -71,7 +71,7 @@ def chunk_observed_reference(
     g = hq // h
     s, w = sinks, window
     n = keys.shape[2] - c
-    valid = torch.ones(b, c, dtype=torch.bool) if valid is None else valid
+    valid = torch.ones(b, c, dtype=torch.bool, device=query.device) if valid is None else valid
     new_idx = torch.where(valid, n_real.unsqueeze(1) + valid.long().cumsum(1) - 1, -1)  # [b, c]
     local_keys = torch.cat([keys[:, :, : s + w], keys[:, :, n:]], dim=2).float()
     key_idx = torch.cat([slot_index[:, : s + w], new_idx], dim=1).view(b, 1, 1, 1, -1)
