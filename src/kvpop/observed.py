@@ -186,12 +186,19 @@ def chunk_observed(
     dev = query.device
     first_real = 0 if valid is None else (c - valid.long().sum(1)).view(b, 1)  # each row's first real query
     # column p holds token n_real - w + p - first_real: the ring's tokens oldest first, then the chunk's
-    # (chunk position p - w); a column older than the ring's oldest token (or a sink) holds nothing
+    # (chunk position p - w); a column older than the ring's oldest token (or a sink) holds nothing.
+    # Each ring slot's column comes from the token it holds (slot_index), read here and written back below.
     p = torch.arange(cols, device=dev).view(1, cols)
-    t = (n_real.view(b, 1) - w - first_real) + p
     in_chunk = p >= w + first_real
-    in_ring = ~in_chunk & (t >= s) & (p >= first_real)
-    src = torch.where(in_chunk, n + p - w, torch.where(in_ring, s + (t - s) % w, 0))
+    ring_t = slot_index[:, s : s + w]
+    ring_p = ring_t - (n_real.view(b, 1) - w - first_real)
+    ring_ok = (ring_t >= s) & (ring_p >= 0) & (ring_p < cols)
+    at = torch.where(ring_ok, ring_p, cols)  # column cols: a spare one for the empty ring slots
+    src = torch.where(in_chunk, n + p - w, 0)
+    src = torch.cat([src.expand(b, cols), src.new_zeros(b, 1)], 1).scatter_(
+        1, at, torch.arange(s, s + w, device=dev).expand(b, w)
+    )[:, :cols]
+    in_ring = torch.zeros(b, cols + 1, dtype=torch.bool, device=dev).scatter_(1, at, ring_ok)[:, :cols]
     k_band = keys.gather(2, src.view(b, 1, cols, 1).expand(b, h, cols, d)).float()
     q_scaled = query.float().view(b, h, g, c, d) * scaling  # scale the queries, not the larger logits
     x = q_scaled.new_empty(b, h, g, c, s + w)  # each query's sinks, then its band
@@ -225,9 +232,6 @@ def chunk_observed(
         by_window[o], done = diag.sum(2), o  # [b, h, cols]
     sums = torch.stack([by_window[o] for o in obs_windows], -1)  # [b, h, cols, n_obs]
     # back to the cache's order: each ring slot from the column of the token it holds, then the chunk
-    ring_t = slot_index[:, s : s + w]
-    ring_p = ring_t - (n_real.view(b, 1) - w - first_real)
-    ring_ok = (ring_t >= s) & (ring_p >= 0) & (ring_p < cols)
     nobs = sums.shape[-1]
     ring = sums.gather(2, ring_p.clamp(0, cols - 1).view(b, 1, w, 1).expand(b, h, w, nobs))
     ring = torch.where(ring_ok.view(b, 1, w, 1), ring, 0.0)
