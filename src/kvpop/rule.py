@@ -132,12 +132,14 @@ def decide_chunk(
         # exits ranked above each candidate, counted in arrival (= exit) order
         ex_rank = rank[..., k:]
         beats = (ex_rank.unsqueeze(-2) > rank.unsqueeze(-1)) & valid[..., k:].unsqueeze(-2)  # [b, h, M, X]
-        arrived = beats.to(torch.int32).cumsum(-1, dtype=torch.int32)
+        arrived = beats.cumsum(-1, dtype=torch.int32)
         need = (k - old_above).clamp(min=0)
         reached = arrived >= need.unsqueeze(-1).to(torch.int32)
         first = reached.to(torch.int8).argmax(-1)  # first exit step at which k better candidates are held
         kth = arrival[..., k:].gather(-1, first)
-        kth = torch.where(reached.any(-1), kth, torch.full_like(kth, NEVER))
+        # the counts only grow: reached at some exit step iff at the last one
+        ever = arrived[..., -1] >= need if arrived.shape[-1] else torch.zeros_like(need, dtype=torch.bool)
+        kth = torch.where(ever, kth, torch.full_like(kth, NEVER))
         kth = torch.where(need == 0, torch.full_like(kth, -1), kth)
         leave = torch.maximum(kth, arrival)
     leave = torch.where(valid, leave, torch.full_like(leave, -1))

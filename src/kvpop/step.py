@@ -321,9 +321,10 @@ def _chunk_visible(spec: StepSpec, ch: _Chunk, lr_leave: Tensor, ex_leave: Tenso
     ring_pos = torch.where(exits, ch.ex_ring.unsqueeze(1).expand(b, h, c), w)
     ring_leave.scatter_(2, ring_pos, torch.where(exits, ex_leave, rule.NEVER))
     leave[:, :, s : s + w] = ring_leave[:, :, :w]
-    kidx = ch.key_idx.unsqueeze(2)  # [b, h, 1, n + c]
+    # a key is visible from its arrival up to its leave step; an empty slot (-1) never arrives
+    arrive = torch.where(ch.key_idx >= 0, ch.key_idx, rule.NEVER).unsqueeze(2)  # [b, h, 1, n + c]
     tq = ch.new_idx.view(b, 1, c, 1)
-    visible = (kidx >= 0) & (kidx <= tq) & (tq < leave.unsqueeze(2))
+    visible = (arrive <= tq) & (tq < leave.unsqueeze(2))
     if not ch.padded:
         return visible
     pad_q = ~ch.valid.view(b, 1, c, 1)
