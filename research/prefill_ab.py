@@ -4,11 +4,13 @@ Both versions of ``kvpop/step.py`` (each with its own revision's ``kvpop/observe
 ``--swap mlstm`` of the mLSTM scorer's methods (``kvpop/scorers/mlstm.py``), run on the same model,
 prompt and thread count, alternating round by round so that machine noise hits both alike; dense is
 timed beside them, and every policy gets one untimed warm-up prefill first. Only that code is swapped,
-so the difference is that change alone. Every forward forms the last position's logits only
+so the difference is that change alone. ``--swap inference`` runs today's code with and without inference mode
+around the cache's steps (``KVpopLayer.attend``). Every forward forms the last position's logits only
 (``logits_to_keep=1``, as ``generate()``'s prefill).
 
     python research/prefill_ab.py --old-rev e1548a0 --out results/prefill_ab
     python research/prefill_ab.py --swap mlstm --old-rev HEAD --policies kvpop-mlp@512,kvpop-mlstm@512
+    python research/prefill_ab.py --swap inference --policies h2o@512,kvpop-mlp@512 --out results/prefill_ab_inference
 
 Writes OUT.json (seconds per round, medians, ratios to dense) and prints one line per row.
 """
@@ -30,14 +32,21 @@ import torch
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--old-rev", required=True, help="git revision whose code is the baseline")
-    p.add_argument("--swap", choices=("step", "mlstm"), default="step", help="the chunk step or the mLSTM's methods")
+    p.add_argument("--old-rev", help="git revision whose code is the baseline (--swap step or mlstm)")
+    p.add_argument(
+        "--swap",
+        choices=("step", "mlstm", "inference"),
+        default="step",
+        help="the chunk step, the mLSTM's methods, or inference mode around the cache's steps",
+    )
     p.add_argument("--policies", default="h2o@512,kvpop-mlp@512,kvpop-mlstm@512")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", default=None)
     p.add_argument("--out", default="results/prefill_ab")
     args = p.parse_args(argv)
+    if args.swap != "inference" and not args.old_rev:
+        p.error(f"--swap {args.swap} compares with --old-rev REV; give one")
 
     import kvpop.cache as cache_mod
     from kvpop.bench.common import cache_for_spec, text_ids
@@ -76,6 +85,20 @@ def main(argv: list[str] | None = None) -> int:
 
         def use(version: str) -> None:
             cache_mod.prefill_chunk = steps[version]
+    elif args.swap == "inference":
+        # the same code; "inference": the cache's steps run in inference mode (not shipped: research log)
+        from kvpop.cache import KVpopLayer
+
+        plain = KVpopLayer.attend
+
+        def in_inference_mode(self, *a, **kw):
+            with torch.inference_mode():
+                return plain(self, *a, **kw)
+
+        steps = {"now": plain, "inference": in_inference_mode}
+
+        def use(version: str) -> None:
+            KVpopLayer.attend = steps[version]
     else:
         from kvpop.scorers.mlstm import KVpopMLSTM
 
