@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvpop.capture import capturing
     from kvpop.config import resolve_eviction
     from kvpop.evaluate import humaneval, ruler
-    from kvpop.evaluate.core import build_cache, decoder_and_head
+    from kvpop.evaluate.core import build_cache, decoder_and_head, oracle_targets_multi
     from kvpop.evaluate.store import load_dirs, unit_key
     from kvpop.evaluate.suite import SuiteConfig, build_cases, generate_batch
 
@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         seq = torch.cat([case.ids, torch.tensor(dense["new_ids"], dtype=torch.long)]).view(1, -1)
         windows = sorted({resolve_eviction(b, sinks=sinks).window for b in left})
-        dec, _ = decoder_and_head(model)
         if args.target == "max":  # window=None: keep the queries and keys only (no mean target is computed)
+            dec, _ = decoder_and_head(model)
             with torch.no_grad(), capturing(model, window=None, keep_queries=True) as state:
                 (dec or model)(input_ids=seq, use_cache=False)
             caps = state.result()
@@ -102,15 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                 w: [max_future_attention(c.queries, c.keys, w, c.queries.shape[-1] ** -0.5) for c in caps]
                 for w in windows
             }
+            del caps, state
         else:
-            with (
-                torch.no_grad(),
-                capturing(model, window=windows[0], extra_windows=windows[1:], power=args.power) as state,
-            ):
-                (dec or model)(input_ids=seq, use_cache=False)
-            caps = state.result()
-            targets = {w: [c.targets.get(w, c.target if w == windows[0] else None) for c in caps] for w in windows}
-        del caps, state
+            targets = oracle_targets_multi(model, seq, windows, power=args.power)
         n_new = len(dense["new_ids"])
         for b in left:
             cache = build_cache(model, "oracle", b, sinks=sinks, oracle=targets)

@@ -68,18 +68,18 @@ def concrete_policies(model, policies, policy_kwargs: dict | None = None) -> tup
 
 
 @torch.no_grad()
-def oracle_targets_multi(model, input_ids: Tensor, windows) -> dict[int, list[Tensor]]:
+def oracle_targets_multi(model, input_ids: Tensor, windows, power: float = 1.0) -> dict[int, list[Tensor]]:
     """``{window: per-layer targets [1, kv_heads, S]}`` for several windows from ONE captured forward.
 
     Runs the decoder only (no LM head over the whole sequence) under ``kvpop.capture.capturing``;
-    only the targets are kept.
+    only the targets are kept. ``power``: the targets' power mean (1: the mean future attention).
     """
     ws = sorted({int(w) for w in windows})
     if not ws:
         return {}
     ids = input_ids.view(1, -1).to(model.device)
     dec, _ = decoder_and_head(model)
-    with capturing(model, window=ws[0], extra_windows=ws[1:]) as state:
+    with capturing(model, window=ws[0], extra_windows=ws[1:], power=power) as state:
         (dec or model)(input_ids=ids, use_cache=False)
     caps = state.result()
     n_layers = len(attention_shape(model.config).bounded)  # the capture records the full-attention layers
