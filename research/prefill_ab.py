@@ -4,8 +4,8 @@ Both versions of ``kvpop/step.py`` (each with its own revision's ``kvpop/observe
 ``--swap mlstm`` of the mLSTM scorer's methods (``kvpop/scorers/mlstm.py``), run on the same model,
 prompt and thread count, alternating round by round so that machine noise hits both alike; dense is
 timed beside them, and every policy gets one untimed warm-up prefill first. Only that code is swapped,
-so the difference is that change alone. ``--swap inference`` runs today's code with and without inference mode
-around the cache's steps (``KVpopLayer.attend``). Every forward forms the last position's logits only
+so the difference is that change alone. ``--swap inference`` runs today's code with and without the
+inference mode that a ``no_grad`` prefill's chunk steps run in (``kvpop.cache``). Every forward forms the last position's logits only
 (``logits_to_keep=1``, as ``generate()``'s prefill).
 
     python research/prefill_ab.py --old-rev e1548a0 --out results/prefill_ab
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         "--swap",
         choices=("step", "mlstm", "inference"),
         default="step",
-        help="the chunk step, the mLSTM's methods, or inference mode around the cache's steps",
+        help="the chunk step, the mLSTM's methods, or the chunk steps with and without inference mode",
     )
     p.add_argument("--policies", default="h2o@512,kvpop-mlp@512,kvpop-mlstm@512")
     p.add_argument("--length", type=int, default=4096)
@@ -86,19 +86,17 @@ def main(argv: list[str] | None = None) -> int:
         def use(version: str) -> None:
             cache_mod.prefill_chunk = steps[version]
     elif args.swap == "inference":
-        # the same code; "inference": the cache's steps run in inference mode (not shipped: research log)
-        from kvpop.cache import KVpopLayer
+        # the same code; "autograd": the chunk steps without inference mode (as before it shipped)
+        import contextlib
 
-        plain = KVpopLayer.attend
+        @contextlib.contextmanager
+        def off():
+            yield False
 
-        def in_inference_mode(self, *a, **kw):
-            with torch.inference_mode():
-                return plain(self, *a, **kw)
-
-        steps = {"now": plain, "inference": in_inference_mode}
+        steps = {"now": cache_mod._light_mode, "autograd": off}
 
         def use(version: str) -> None:
-            KVpopLayer.attend = steps[version]
+            cache_mod._light_mode = steps[version]
     else:
         from kvpop.scorers.mlstm import KVpopMLSTM
 

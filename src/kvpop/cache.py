@@ -11,6 +11,7 @@ per-query visibility mask equal to the token-by-token rule.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -233,22 +234,27 @@ class KVpopLayer(CacheLayerMixin):
                 out = self._warm(spec, query, key_new, value_new)
             self.seen += 1
             return out
-        step = self.cfg.chunk
-        outs = [
-            prefill_chunk(
-                spec,
-                self.kernels,
-                self.policy_layer,
-                self.state,
-                query[:, :, i : i + step],
-                key_new[:, :, i : i + step],
-                value_new[:, :, i : i + step],
-                None if valid is None else valid[:, i : i + step],
-            )
-            for i in range(0, c, step)
-        ]
+        step, st = self.cfg.chunk, self.state
+        with _light_mode() as light:
+            outs = [
+                prefill_chunk(
+                    spec,
+                    self.kernels,
+                    self.policy_layer,
+                    st,
+                    query[:, :, i : i + step],
+                    key_new[:, :, i : i + step],
+                    value_new[:, :, i : i + step],
+                    None if valid is None else valid[:, i : i + step],
+                )
+                for i in range(0, c, step)
+            ]
+            out = torch.cat(outs, dim=2).transpose(1, 2)
+        if light:  # what the chunks made and the state keeps becomes a plain tensor again (a few elements)
+            st.n_real = st.n_real.clone()
+            st.policy_state = map_state(st.policy_state, lambda x: x.clone() if x.is_inference() else x)
         self.seen += c
-        return torch.cat(outs, dim=2).transpose(1, 2)
+        return out
 
     def _make_spec(self, scaling: float) -> StepSpec:
         c = self.cfg
@@ -353,6 +359,21 @@ class KVpopLayer(CacheLayerMixin):
         if self.seen % NAN_CHECK_EVERY == 0:
             check_scores(prio, self.kernels.name, self.policy_layer)
         return ex_k, ex_v, prio if spec.k else None
+
+
+@contextlib.contextmanager
+def _light_mode():
+    """Inference mode for a prefill's chunk steps where the caller needs no autograd (``no_grad``,
+    as in ``generate()``, and not inside ``torch.compile``): the step's few hundred small operations
+    per chunk then skip autograd's view and version bookkeeping (docs/speed.md). Yields whether it is
+    on; the caller then turns what the state keeps into plain tensors, so that a later decode step, a
+    compiled step or a training run never meets an inference tensor. A caller already in inference
+    mode (vLLM's model runner) is left as it is."""
+    if torch.is_grad_enabled() or torch.is_inference_mode_enabled() or torch.compiler.is_compiling():
+        yield False
+        return
+    with torch.inference_mode():
+        yield True
 
 
 def _tick(timer: dict[str, float] | None, phase: str, t0: float) -> float:
