@@ -146,7 +146,7 @@ def observed_attention_windows(
 # --- the same sums, as a cache accumulates them while it runs (kvpop.step) ---------------------------
 
 
-CHUNK_BLOCK = 128  # queries per logits block of chunk_observed (64 and 256 were slower per chunk)
+CHUNK_BLOCK = 64  # queries per logits block of chunk_observed (32, 128 and 256 were slower per chunk)
 
 
 def chunk_observed(
@@ -207,7 +207,10 @@ def chunk_observed(
     for j0 in range(0, c, CHUNK_BLOCK):
         j1 = min(c, j0 + CHUNK_BLOCK)
         r = j1 - j0
-        full = torch.matmul(q_scaled[:, :, :, j0:j1], k_band[:, :, None, j0 + 1 : j1 + w].transpose(-1, -2))
+        # the group's query heads as rows of one matmul per KV head (larger products than one per query head)
+        full = torch.matmul(
+            q_scaled[:, :, :, j0:j1].reshape(b, h, g * r, d), k_band[:, :, j0 + 1 : j1 + w].transpose(-1, -2)
+        ).view(b, h, g, r, w + r - 1)
         # w + r - 1 columns; row i's band starts at column i (a step of one row and one column)
         st = full.stride()
         x[..., j0:j1, s:] = full.as_strided((b, h, g, r, w), (*st[:3], st[3] + st[4], st[4]), full.storage_offset())
@@ -222,7 +225,6 @@ def chunk_observed(
     band_p = torch.softmax(x, dim=-1)[..., s:].sum(2)  # [b, h, c, w]: query j, band offset a
     if valid is not None:  # a padding query's row is NaN or counts nothing
         band_p = torch.where(valid.view(b, 1, c, 1), band_p.nan_to_num(0.0), 0.0)
-    band_p = band_p / g
     # per window: the band's first o offsets written back on their diagonals, summed over the queries
     diag = band_p.new_zeros(b, h, c, cols)
     on_diag = diag.as_strided((b, h, c, w), (h * c * cols, c * cols, cols + 1, 1), 1)
@@ -230,7 +232,7 @@ def chunk_observed(
     for o in sorted(set(obs_windows)):
         on_diag[..., done:o] = band_p[..., done:o]
         by_window[o], done = diag.sum(2), o  # [b, h, cols]
-    sums = torch.stack([by_window[o] for o in obs_windows], -1)  # [b, h, cols, n_obs]
+    sums = torch.stack([by_window[o] for o in obs_windows], -1) / g  # [b, h, cols, n_obs]: the group's mean
     # back to the cache's order: each ring slot from the column of the token it holds, then the chunk
     nobs = sums.shape[-1]
     ring = sums.gather(2, ring_p.clamp(0, cols - 1).view(b, 1, w, 1).expand(b, h, w, nobs))

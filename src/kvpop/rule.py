@@ -132,9 +132,11 @@ def decide_chunk(
         # exits ranked above each candidate, counted in arrival (= exit) order
         ex_rank = rank[..., k:]
         beats = (ex_rank.unsqueeze(-2) > rank.unsqueeze(-1)) & valid[..., k:].unsqueeze(-2)  # [b, h, M, X]
-        arrived = beats.cumsum(-1, dtype=torch.int32)
+        # counts up to X: int16 where they fit (half the memory traffic of int32, twice as fast here)
+        count = torch.int16 if beats.shape[-1] < 2**15 else torch.int32
+        arrived = beats.cumsum(-1, dtype=count)
         need = (k - old_above).clamp(min=0)
-        reached = arrived >= need.unsqueeze(-1).to(torch.int32)
+        reached = arrived >= need.unsqueeze(-1).clamp(max=torch.iinfo(count).max).to(count)
         first = reached.to(torch.int8).argmax(-1)  # first exit step at which k better candidates are held
         kth = arrival[..., k:].gather(-1, first)
         # the counts only grow: reached at some exit step iff at the last one

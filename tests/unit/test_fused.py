@@ -111,6 +111,42 @@ def test_decode_scores_equal_step_and_read():
                 torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
+def test_chunk_exit_scores_equal_step_and_read():
+    """A stateless scorer scores a prefill chunk's exits alone (``learned_score`` -> ``exit_scores``):
+    the scores of its general chunk form (what it was trained with), wherever an exit is present."""
+    from kvpop.policies import ExitBatch
+    from kvpop.policies.learned import learned_score
+
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    for kind in ("mlp", "mlp-cross-heads"):
+        scorer = random_learned_policy(model, "mlp", extra=True, cross_heads="cross" in kind).scorer
+        g = torch.Generator().manual_seed(2)
+        k_new, v_new, k_rd, v_rd = (torch.randn(2, 2, 7, 16, generator=g) for _ in range(4))
+        obs = torch.rand(2, 2, 7, 3, generator=g)
+        t_new = torch.tensor([[40 + i for i in range(7)], [-1, -1, 50, 51, 52, 53, 54]])
+        t_rd = torch.where(t_new >= 0, t_new - 6, -1)
+        t_rd[0, :2] = -1  # no exit there yet
+        _, want = scorer.step_and_read(
+            0,
+            None,
+            k_new,
+            v_new,
+            k_rd,
+            v_rd,
+            torch.arange(7),
+            t_new >= 0,
+            new_positions=t_new,
+            read_positions=t_rd,
+            observed=obs,
+            window=6,
+        )
+        batch = ExitBatch(0, k_rd, v_rd, t_rd, k_new, v_new, t_new, obs, False, 6)
+        state, got = learned_score(scorer, None, batch)
+        assert state is None and got.shape == (2, 2, 7)
+        present = (t_rd >= 0).unsqueeze(1).expand_as(got)
+        torch.testing.assert_close(got[present], want[present], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_compiled_step_equals_eager():
     """compile=True (inductor's code for kvpop.step's steady step) gives the eager decisions and outputs."""

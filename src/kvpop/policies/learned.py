@@ -132,8 +132,18 @@ class LearnedPolicy(Policy):
 @torch.no_grad()
 def learned_score(scorer: ScorerStack, state, batch: ExitBatch):
     """``Policy.score`` of a learned scorer: one new and one exiting token per row takes the scorer's
-    single-step decode path, anything else its chunk form (``step_and_read``)."""
+    single-step decode path, anything else its chunk form (``step_and_read``); a stateless scorer
+    scores the exits alone (``kvpop.scorers.decode.exit_scores``)."""
     c = batch.new_keys.shape[2]
+    if not scorer.is_stateful:
+        from ..scorers.decode import decode_params, exit_scores
+
+        observed = batch.attention
+        if scorer.config.observed and observed is None:
+            b, h, x, _ = batch.keys.shape
+            observed = batch.keys.new_zeros(b, h, x, len(scorer.config.observed), dtype=torch.float32)
+        spec, params = scorer.decode_spec(batch.window), decode_params(scorer, batch.layer_idx)
+        return state, exit_scores(spec, params, batch.keys, batch.values, batch.index, observed)
     if c == 1 and batch.all_valid and batch.keys.shape[2] == 1:
         b = batch.new_keys.shape[0]
         state, scores = scorer.decode_scores(

@@ -192,9 +192,10 @@ class ScorerStack(nn.ModuleList):
         """
         extra = self._extra(observed, window)
         kw = {"extra": extra} if extra is not None else {}
-        state, scores = self[layer_idx].step_and_read(
+        layer = self[layer_idx]
+        state, scores = layer.step_and_read(
             state,
-            self._keys(k_new, new_positions),
+            self._keys(k_new, new_positions) if layer.is_stateful else k_new,  # a stateless scorer reads no new token
             v_new,
             self._keys(k_read, read_positions),
             v_read,

@@ -27,7 +27,7 @@ from ..rope import unrotate
 from .base import across_heads, head_linear, head_score, kv_features
 from .mlstm import mlstm_read, mlstm_step, score_head
 
-__all__ = ["DecodeSpec", "MLPParams", "MLSTMParams", "decode_params", "decode_scores", "decode_spec"]
+__all__ = ["DecodeSpec", "MLPParams", "MLSTMParams", "decode_params", "decode_scores", "decode_spec", "exit_scores"]
 
 
 class MLSTMParams(NamedTuple):
@@ -132,30 +132,46 @@ def decode_scores(
 
     Returns ``(state, scores [b, h])`` as ``ScorerStack.step_and_read`` (float rounding aside).
     """
-    if spec.stateful:
-        k = torch.cat([k_new, k_read], 2).float()
-        v = torch.cat([v_new, v_read], 2).float()
-        pos = torch.stack([t_new, t_read], 1)
-    else:
-        k, v, pos = k_read.float(), v_read.float(), t_read.unsqueeze(1)
+    if not spec.stateful:
+        return state, exit_scores(spec, params, k_read, v_read, t_read.unsqueeze(1), observed).squeeze(2)
+    k = torch.cat([k_new, k_read], 2).float()
+    v = torch.cat([v_new, v_read], 2).float()
     if spec.position_free:
-        k = unrotate(k, pos, params.inv_freq, spec.rope_scaling)
-    feats = kv_features(k, v, spec.input_norm, spec.eps)  # [b, h, R, in]
+        k = unrotate(k, torch.stack([t_new, t_read], 1), params.inv_freq, spec.rope_scaling)
+    feats = kv_features(k, v, spec.input_norm, spec.eps)  # [b, h, 2, in]
     extra = None
     if spec.obs_windows:
         extra = observed_features(observed.squeeze(2), spec.window, spec.obs_windows)  # [b, h, n]
-    if spec.stateful:
-        state, scores = _mlstm(spec, params, state, feats, extra)
-    else:
-        if extra is not None:
-            feats = torch.cat([feats, extra.unsqueeze(2)], -1)
-        if spec.cross_heads:
-            feats = across_heads(feats)
-        hdn = F.silu(head_linear(feats, params.w1, params.b1)).squeeze(2)  # [b, h, hidden]
-        scores = head_score(hdn, params.w2, params.b2)
+    state, scores = _mlstm(spec, params, state, feats, extra)
     if spec.tilt:
         scores = torch.addcmul(scores, params.lam.unsqueeze(0), t_read.unsqueeze(1).to(scores.dtype))
     return state, scores
+
+
+def exit_scores(
+    spec: DecodeSpec, params: MLPParams, k: Tensor, v: Tensor, t: Tensor, observed: Tensor | None
+) -> Tensor:
+    """A stateless (MLP) scorer layer's scores of exiting tokens, ``[b, h, X]``: keys/values
+    ``[b, h, X, d]`` at ``t [b, X]`` (negative: absent, scored as position 0 and ignored by the
+    caller), with their statistics ``observed [b, h, X, n]``. The decode step's scoring (``X = 1``)
+    and a prefill chunk's (the scorer reads no new token, so a chunk's exits need no ``ScorerStack``
+    call: about half of its cost there was that call's generality)."""
+    k, v = k.float(), v.float()
+    if spec.position_free:
+        k = unrotate(k, t.clamp(min=0), params.inv_freq, spec.rope_scaling)
+    feats = kv_features(k, v, spec.input_norm, spec.eps)  # [b, h, X, in]
+    if spec.obs_windows:
+        feats = torch.cat([feats, observed_features(observed, spec.window, spec.obs_windows)], -1)
+    if spec.cross_heads:
+        feats = across_heads(feats)
+    hdn = F.silu(head_linear(feats, params.w1, params.b1))  # [b, h, X, hidden]
+    if hdn.shape[2] == 1:  # one row per head: broadcast-and-sum (compiled into the decode step's loops)
+        scores = head_score(hdn.squeeze(2), params.w2, params.b2).unsqueeze(2)
+    else:
+        scores = head_score(hdn, params.w2, params.b2)
+    if spec.tilt:
+        scores = torch.addcmul(scores, params.lam.view(1, -1, 1), t.unsqueeze(1).to(scores.dtype))
+    return scores
 
 
 def _mlstm(spec: DecodeSpec, params: MLSTMParams, state, feats: Tensor, extra: Tensor | None):
