@@ -127,3 +127,30 @@ def test_the_compiled_step_after_an_inference_mode_prefill():
     again = _ids(12, 6)
     fresh = KVpopCache(model.config, policy=pol, compile=False, **KW)
     assert torch.equal(_generate(model, again, cache), _generate(model, again, fresh))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("policy", ["h2o", "kvpop-mlp+"])
+def test_the_additive_chunk_mask_equals_the_visibility_rule(policy, dtype, monkeypatch):
+    """Without padding the chunk's attention takes an additive mask built from the slots' leave steps and
+    a causal block; it is the boolean visibility rule's 0 / -inf, in every chunk of a long prefill."""
+    from kvpop import step
+
+    checked = []
+    plain = step._chunk_mask
+
+    def both(spec, ch, lr_leave, ex_leave, dt):
+        got = plain(spec, ch, lr_leave, ex_leave, dt)
+        if not ch.padded:
+            visible = step._chunk_visible(spec, ch, lr_leave, ex_leave)
+            assert got.dtype == dt
+            assert torch.equal(got, torch.where(visible, 0.0, float("-inf")).to(dt))
+            checked.append(visible.shape)
+        return got
+
+    monkeypatch.setattr(step, "_chunk_mask", both)
+    model = tiny_model("llama", num_hidden_layers=2, dtype=dtype)
+    cache = KVpopCache(model.config, policy=_policy(policy, model), prefill_chunk=3, **KW)
+    with torch.no_grad():
+        model(_ids(40, 7, batch=2), **cache_kwargs(cache))
+    assert len(checked) >= 2 * 13
