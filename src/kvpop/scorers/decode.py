@@ -154,8 +154,8 @@ def exit_scores(
     """A stateless (MLP) scorer layer's scores of exiting tokens, ``[b, h, X]``: keys/values
     ``[b, h, X, d]`` at ``t [b, X]`` (negative: absent, scored as position 0 and ignored by the
     caller), with their statistics ``observed [b, h, X, n]``. The decode step's scoring (``X = 1``)
-    and a prefill chunk's (the scorer reads no new token, so a chunk's exits need no ``ScorerStack``
-    call: about half of its cost there was that call's generality)."""
+    and a prefill chunk's: the scorer reads no new token, so a chunk's exits need none of
+    ``ScorerStack.step_and_read``'s handling of new tokens, padding and state."""
     k, v = k.float(), v.float()
     if spec.position_free:
         k = unrotate(k, t.clamp(min=0), params.inv_freq, spec.rope_scaling)
