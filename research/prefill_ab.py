@@ -5,8 +5,8 @@ Both versions of ``kvpop/step.py`` (each with its own revision's ``kvpop/observe
 prompt and thread count, alternating round by round so that machine noise hits both alike; dense is
 timed beside them, and every policy gets one untimed warm-up prefill first. Only that code is swapped,
 so the difference is that change alone. ``--swap inference`` runs today's code with and without the
-inference mode that a ``no_grad`` prefill's chunk steps run in (``kvpop.cache``). Every forward forms the last position's logits only
-(``logits_to_keep=1``, as ``generate()``'s prefill).
+inference mode that a ``no_grad`` prefill's chunk steps run in (``kvpop.cache``). Every forward forms
+the last position's logits only (``logits_to_keep=1``, as ``generate()``'s prefill).
 
     python research/prefill_ab.py --old-rev e1548a0 --out results/prefill_ab
     python research/prefill_ab.py --swap mlstm --old-rev HEAD --policies kvpop-mlp@512,kvpop-mlstm@512

@@ -331,13 +331,8 @@ def _chunk_visible(spec: StepSpec, ch: _Chunk, lr_leave: Tensor, ex_leave: Tenso
     b, h, _ = lr_leave.shape
     c = ch.new_idx.shape[1]
     dev = lr_leave.device
-    leave = torch.cat(
-        [
-            _slot_leave(spec, ch, lr_leave, ex_leave),
-            torch.full_like(ch.new_idx, rule.NEVER).unsqueeze(1).expand(b, h, c),
-        ],
-        dim=2,
-    )
+    slots = _slot_leave(spec, ch, lr_leave, ex_leave)
+    leave = torch.cat([slots, slots.new_full((b, h, c), rule.NEVER)], dim=2)  # the chunk's keys stay
     # a key is visible from its arrival up to its leave step; an empty slot (-1) never arrives
     arrive = torch.where(ch.key_idx >= 0, ch.key_idx, rule.NEVER).unsqueeze(2)  # [b, h, 1, n + c]
     tq = ch.new_idx.view(b, 1, c, 1)

@@ -135,13 +135,13 @@ def learned_score(scorer: ScorerStack, state, batch: ExitBatch):
     single-step decode path, anything else its chunk form (``step_and_read``); a stateless scorer
     scores the exits alone (``kvpop.scorers.decode.exit_scores``)."""
     c = batch.new_keys.shape[2]
+    observed = batch.attention
+    if scorer.config.observed and observed is None:  # a step without exits (the state still advances)
+        b, h, x, _ = batch.keys.shape
+        observed = batch.keys.new_zeros(b, h, x, len(scorer.config.observed), dtype=torch.float32)
     if not scorer.is_stateful:
         from ..scorers.decode import decode_params, exit_scores
 
-        observed = batch.attention
-        if scorer.config.observed and observed is None:
-            b, h, x, _ = batch.keys.shape
-            observed = batch.keys.new_zeros(b, h, x, len(scorer.config.observed), dtype=torch.float32)
         spec, params = scorer.decode_spec(batch.window), decode_params(scorer, batch.layer_idx)
         return state, exit_scores(spec, params, batch.keys, batch.values, batch.index, observed)
     if c == 1 and batch.all_valid and batch.keys.shape[2] == 1:
@@ -161,10 +161,6 @@ def learned_score(scorer: ScorerStack, state, batch: ExitBatch):
         return state, scores.unsqueeze(-1)
     mask = None if batch.all_valid else batch.new_index >= 0
     read_steps = None if c == 1 else torch.arange(c, device=batch.new_keys.device)
-    observed = batch.attention
-    if scorer.config.observed and observed is None:  # a step without exits (the state still advances)
-        b, h, x, _ = batch.keys.shape
-        observed = batch.keys.new_zeros(b, h, x, len(scorer.config.observed), dtype=torch.float32)
     state, scores = scorer.step_and_read(
         batch.layer_idx,
         state,
